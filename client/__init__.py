@@ -1,0 +1,23 @@
+"""symbiont's tenant library: split a Hugging Face model so its frozen layers run in a base executor."""
+from client.connection import Connection, connect
+from client.errors import (
+    DTypeMismatchError,
+    ExecutorUnavailableError,
+    InternalError,
+    InvalidCallError,
+    MalformedMessageError,
+    ModelMismatchError,
+    NotAttachedError,
+    ResourceExhaustedError,
+    ShapeMismatchError,
+    SymbiontError,
+    UnknownUnitError,
+)
+from client.shim import RemoteWeight, VirtLayer
+from client.virtualize import virtualize
+
+__all__ = [
+    "Connection", "connect", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
+    "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "NotAttachedError",
+    "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
+]

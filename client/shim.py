@@ -1,0 +1,177 @@
+"""VirtLayer shims: stand-ins for frozen modules whose weights live in the base executor.
+
+A shim *is an instance of the class it replaces* (a dynamic subclass), so transformers and
+PEFT dispatch on it unchanged; its parameters are RemoteWeight placeholders that carry shape,
+dtype and device but raise when anyone reads their values. Forward and backward are one
+autograd Function registered as the torch custom op `symbiont::unit_call` (with a fake
+implementation), so `torch.compile` can keep it in a graph.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch import nn
+
+from proto import executor_pb2 as pb
+
+
+class RemoteWeight(torch.Tensor):
+    """Metadata of a weight that lives in the executor. Any op on its values raises."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, unit: str, url: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=False)
+        t.unit, t.url = unit, url
+        return t
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        me = next(a for a in args if isinstance(a, RemoteWeight))
+        if func in cls._ALIASES:
+            return RemoteWeight(me.shape, me.dtype, me.device, me.unit, me.url)
+        raise RuntimeError(
+            f"'{me.unit}' is served by the base executor at {me.url}: this process holds only a placeholder "
+            f"(shape {list(me.shape)}, {me.dtype}), so its values cannot be read ({func}). Call the module "
+            "instead of reading its weight; merging adapters into the base weight or DoRA need the weights locally."
+        )
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"RemoteWeight(unit={self.unit!r}, shape={list(self.shape)}, dtype={self.dtype}, url={self.url!r})"
+
+    def __reduce_ex__(self, proto):
+        raise RuntimeError(f"'{self.unit}' lives in the base executor at {self.url}; a placeholder cannot be saved")
+
+
+# ---- the custom op ----------------------------------------------------------------
+
+_SHIMS: "weakref.WeakValueDictionary[int, VirtLayer]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+@torch.library.custom_op("symbiont::unit_call", mutates_args=())
+def unit_call(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
+    return _SHIMS[shim]._remote(x, op)
+
+
+@unit_call.register_fake
+def _(x, shim, op):
+    s = _SHIMS[shim]
+    return x.new_empty(s._out_shape(x.shape, op), dtype=s._out_dtype())
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.shim = inputs[1]
+
+
+def _backward(ctx, grad):
+    # grad_x = grad_y W: the executor keeps no activations, W is frozen
+    return unit_call(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
+
+
+unit_call.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- shims --------------------------------------------------------------------------
+
+
+class VirtLayer(nn.Module):
+    """Mixin placed first in a shim's MRO. Holds a reference to a unit, never its weights."""
+
+    unit_id: str
+    transport: object  # client.transport.Transport
+    _kind: str
+    _d_in: int
+    _d_out: int
+    _dtype: torch.dtype
+
+    def get_base_layer(self) -> nn.Module:
+        return self
+
+    def unwrap(self) -> dict:
+        """What this shim stands for: the unit id, its kind and widths, and the executor's address."""
+        return {"unit": self.unit_id, "kind": self._kind, "in": self._d_in, "out": self._d_out, "url": self.transport.url}
+
+    def _out_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _out_shape(self, shape, op) -> tuple[int, ...]:
+        if self._kind == "embedding":
+            return tuple(shape) + (self._d_out,)
+        return tuple(shape[:-1]) + ((self._d_in,) if op == pb.BACKWARD else (self._d_out,))
+
+    def _remote(self, x: torch.Tensor, op: int) -> torch.Tensor:
+        latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
+        return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dtype != self._dtype:
+            raise TypeError(
+                f"{self.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {self._dtype} "
+                "(the unsplit module would fail the same way); cast the input or load the model in the served dtype"
+            )
+        if x.shape[-1] != self._d_in:
+            raise ValueError(f"{self.unit_id}: input has last dimension {x.shape[-1]}, the unit takes {self._d_in}")
+
+    def extra_repr(self) -> str:
+        return f"unit={self.unit_id!r}, in={self._d_in}, out={self._d_out}, remote={self.transport.url!r}"
+
+
+class VirtLinear(VirtLayer):
+    """nn.Linear and GPT-2 Conv1D: y = x W^T + b at the executor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check(x)
+        return unit_call(x, self._shim_id, pb.FORWARD)
+
+
+class VirtEmbedding(VirtLayer):
+    """nn.Embedding: y = W[ids] at the executor."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return unit_call(ids, self._shim_id, pb.FORWARD)
+
+
+class VirtScaledEmbedding(VirtLayer):
+    """Embeddings that multiply the lookup by `embed_scale` (Gemma, ...): the scale stays local."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return unit_call(ids, self._shim_id, pb.FORWARD) * self.embed_scale.to(self._dtype)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def make_shim(module: nn.Module, mixin: type, unit: pb.UnitInfo, transport, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A shim standing in for `module`: an instance of a subclass of type(module) whose forward
+    is `mixin`'s, whose parameters are placeholders and whose other state is module's."""
+    cls = type(module)
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Virt{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    shim = _CLASSES[key].__new__(_CLASSES[key])
+    state = dict(module.__dict__)
+    state["_parameters"] = {}
+    state["_buffers"] = dict(module._buffers)
+    state["_modules"] = {}
+    shim.__dict__.update(state)
+    for pname, p in module.named_parameters(recurse=False):
+        placeholder = RemoteWeight(p.shape, dtype, device, unit.id, transport.url)
+        shim._parameters[pname] = nn.Parameter(placeholder, requires_grad=False)
+    shim.unit_id = unit.id
+    shim.transport = transport
+    shim._kind = unit.kind
+    shim._d_in = unit.in_features
+    shim._d_out = unit.out_features
+    shim._dtype = dtype
+    shim._shim_id = next(_IDS)
+    _SHIMS[shim._shim_id] = shim
+    return shim

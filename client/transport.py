@@ -1,0 +1,102 @@
+"""The tenant's side of a transport: one small interface every data plane implements.
+
+A Transport is attached once (one tenant identity, one mailbox), then carries calls. The base
+class validates inputs and turns wire statuses into exceptions; a backend implements the raw
+control round trip and the raw call. Same-GPU CUDA IPC, NCCL and gRPC fit behind the same
+three methods without the shims or the executor's scheduler changing.
+"""
+from __future__ import annotations
+
+import abc
+import itertools
+import math
+import threading
+
+import torch
+
+from client.errors import InvalidCallError, raise_for_status
+from proto import codec, urls
+from proto import executor_pb2 as pb
+
+
+class Transport(abc.ABC):
+    def __init__(self, url: str):
+        self.url = url
+        self.tenant_id = 0
+        self.token = ""
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # one call in flight per tenant
+
+    # ---- backend --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
+        """One control round trip; raises ExecutorUnavailableError when the executor does not answer."""
+
+    @abc.abstractmethod
+    def _attached(self, reply: pb.AttachReply) -> None:
+        """Sets up the data plane from the attach reply (map mailboxes, open streams)."""
+
+    @abc.abstractmethod
+    def _call(self, request: pb.CallRequest, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+        """Carries one call and returns the result as a fresh tensor; raises on a non-OK status."""
+
+    @abc.abstractmethod
+    def _teardown(self) -> None:
+        """Releases the data plane (after detach, or when the executor is gone)."""
+
+    # ---- interface --------------------------------------------------------------
+
+    def control(self, kind: str, message, timeout_s: float = 60.0) -> pb.ControlReply:
+        """Sends one control request (`kind` is the oneof field) and returns the OK reply."""
+        req = pb.ControlRequest(tenant_id=self.tenant_id, token=self.token)
+        getattr(req, kind).CopyFrom(message)
+        reply = self._control(req, timeout_s)
+        raise_for_status(reply.status, f"{kind} on {self.url}")
+        return reply
+
+    def attach(self, tenant_name: str, latency: int = pb.TRAINING, mailbox_bytes: int = 0) -> pb.AttachReply:
+        import os
+
+        reply = self.control(
+            "attach", pb.AttachRequest(tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes)
+        ).attach
+        self.tenant_id, self.token = reply.tenant_id, reply.token
+        self._attached(reply)
+        return reply
+
+    @property
+    def is_attached(self) -> bool:
+        return self.tenant_id != 0
+
+    def call(self, unit: str, op: int, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, latency: int) -> torch.Tensor:
+        """Runs `op` of `unit` on x at the executor; returns a tensor of out_shape/out_dtype on x's device."""
+        if not isinstance(x, torch.Tensor):
+            raise InvalidCallError(f"unit {unit!r} takes a tensor, got {type(x).__name__}")
+        if x.dim() == 0:
+            raise InvalidCallError(f"unit {unit!r} takes a tensor with at least one dimension, got a scalar")
+        req = pb.CallRequest(unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency)
+        if math.prod(out_shape) == 0:
+            return torch.empty(out_shape, dtype=out_dtype, device=x.device)
+        with self._lock:
+            req.call_id = next(self._ids)
+            return self._call(req, x.detach().contiguous(), out_shape, out_dtype)
+
+    def close(self) -> None:
+        """Detaches (the executor frees the mailbox) and releases local resources. Idempotent."""
+        if self.tenant_id:
+            try:
+                self.control("detach", pb.DetachRequest(), timeout_s=5.0)
+            except Exception:
+                pass
+            self.tenant_id, self.token = 0, ""
+        self._teardown()
+
+
+def open_transport(url: str) -> Transport:
+    scheme, name = urls.parse(url)
+    if scheme == "local":
+        from client.transports.local import LocalTransport
+
+        return LocalTransport(url, name)
+    raise ValueError(f"no transport for {url!r}")

@@ -1,0 +1,145 @@
+"""Same-host transport (`local://NAME`), tenant side: ZeroMQ for control, the executor's shared
+memory mailbox for tensors, the csrc rings and doorbells for signalling."""
+from __future__ import annotations
+
+import os
+
+import torch
+import zmq
+from google.protobuf.message import DecodeError
+
+from client.errors import (
+    ExecutorUnavailableError,
+    InternalError,
+    MalformedMessageError,
+    NotAttachedError,
+    ResourceExhaustedError,
+    raise_for_status,
+)
+from client.transport import Transport
+from proto import codec, mailbox, urls
+from proto import executor_pb2 as pb
+from proto._doorbell import Doorbell
+
+SPIN_US = 20
+LIVENESS_SLICE_US = 1_000_000
+
+
+class LocalTransport(Transport):
+    def __init__(self, url: str, name: str):
+        super().__init__(url)
+        self.endpoint = urls.control_endpoint(name)
+        self._ctx = zmq.Context.instance()
+        self._sock = None
+        self._executor_pid = 0
+        self._wake_mem = self._wake = None
+        self._box: mailbox.Mailbox | None = None
+        self._max_data = 0
+
+    def _socket(self):
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        return self._sock
+
+    def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
+        sock = self._socket()
+        sock.send(request.SerializeToString())
+        if not sock.poll(int(timeout_s * 1000)):
+            # a DEALER would deliver the late reply to the next request: start over with a new socket
+            sock.close()
+            self._sock = None
+            raise ExecutorUnavailableError(
+                f"no executor answered at {self.url} within {timeout_s:.0f} s (is `base-executor serve --listen {self.url}` running?)"
+            )
+        try:
+            return pb.ControlReply.FromString(sock.recv())
+        except DecodeError as e:
+            raise MalformedMessageError(f"reply from {self.url} does not parse: {e}") from e
+
+    def _attached(self, reply: pb.AttachReply) -> None:
+        if (reply.ring_slots, reply.ring_slot_size, reply.data_offset) != (
+            mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, mailbox.DATA_OFFSET
+        ):
+            raise InternalError("the executor uses another mailbox layout: install the same symbiont version on both sides")
+        self._executor_pid = reply.wake.owner_pid
+        self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
+        self._wake = Doorbell(self._wake_mem, 0)
+        self._map(reply.mailbox, reply.data_bytes)
+        self._max_data = reply.max_mailbox_bytes
+
+    def _map(self, region: pb.SharedRegion, data_bytes: int) -> None:
+        if self._box is not None:
+            self._box.close()
+        self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), data_bytes)
+
+    def _grow(self, need: int) -> None:
+        if need > self._max_data:
+            raise ResourceExhaustedError(
+                f"call needs {need} bytes of mailbox, the executor at {self.url} allows at most {self._max_data} "
+                "(split the batch, or start the executor with a larger --max-mailbox-mb)"
+            )
+        want = min(max(need, 2 * self._box.data_bytes), self._max_data)
+        reply = self.control("grow", pb.GrowRequest(data_bytes=want)).grow
+        self._map(reply.mailbox, reply.data_bytes)
+
+    def _call(self, request, x, out_shape, out_dtype):
+        if self._box is None:
+            raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
+        in_bytes = mailbox.align(x.numel() * x.element_size())
+        need = in_bytes + codec.nbytes(out_shape, out_dtype)
+        if need > self._box.data_bytes:
+            self._grow(need)
+        box = self._box
+        request.in_offset, request.out_offset = 0, in_bytes
+        codec.view(box.mem, mailbox.DATA_OFFSET, x.shape, x.dtype).copy_(x)
+        if not box.requests.push(request.SerializeToString()):
+            raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+        self._wake.ring()
+        reply = self._wait_reply(box, request.call_id)
+        raise_for_status(reply.status, f"{pb.Op.Name(request.op)} of {request.unit!r}")
+        if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
+            raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
+        y = torch.empty(out_shape, dtype=out_dtype)
+        y.copy_(codec.view(box.mem, mailbox.DATA_OFFSET + reply.out_offset, out_shape, out_dtype))
+        return y if x.device.type == "cpu" else y.to(x.device)
+
+    def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
+        while True:
+            seq = box.reply_bell.seq()
+            raw = box.replies.pop()
+            if raw is not None:
+                reply = pb.CallReply.FromString(raw)
+                if reply.call_id in (call_id, 0):
+                    return reply
+                continue  # a stale reply of an abandoned call
+            if box.reply_bell.wait(seq, SPIN_US, LIVENESS_SLICE_US) == seq and not _alive(self._executor_pid):
+                self._teardown()
+                self.tenant_id = 0
+                raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
+
+    def _teardown(self) -> None:
+        if self._box is not None:
+            self._box.close()
+            self._box = None
+        self._wake = None
+        if self._wake_mem is not None:
+            try:
+                self._wake_mem.close()
+            except BufferError:
+                pass
+            self._wake_mem = None
+        if self._sock is not None and self.tenant_id == 0:
+            self._sock.close()
+            self._sock = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

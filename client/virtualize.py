@@ -1,0 +1,145 @@
+"""virtualize(): swap a model's frozen units for VirtLayer shims served by a base executor.
+
+Surgery after construction: the model never knows it is split. Modules are matched against an
+ordered list of (matches, shim mixin) pairs, first match wins; every unit the executor serves
+must be found in the model, with the same shape, dtype and weights (by fingerprint), before
+anything is replaced, so a mismatch leaves the model untouched.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from client.errors import ModelMismatchError
+from client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
+from proto import codec
+from proto.fingerprint import fingerprint
+
+
+def _conv1d_type():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return ()
+    return Conv1D
+
+
+def _plain_forward(base: type) -> Callable[[nn.Module], bool]:
+    return lambda m: isinstance(m, base) and type(m).forward is base.forward
+
+
+def _scaled_embedding(m: nn.Module) -> bool:
+    return isinstance(m, nn.Embedding) and isinstance(getattr(m, "embed_scale", None), torch.Tensor)
+
+
+SHIM_TABLE: list[tuple[str, Callable[[nn.Module], bool], type]] = [
+    ("nn.Linear", _plain_forward(nn.Linear), VirtLinear),
+    ("transformers Conv1D", lambda m: isinstance(m, _conv1d_type()), VirtLinear),
+    ("nn.Embedding", _plain_forward(nn.Embedding), VirtEmbedding),
+    ("nn.Embedding scaled by an `embed_scale` buffer (Gemma)", _scaled_embedding, VirtScaledEmbedding),
+]
+
+# config keys that describe how a model runs here, not which model it is
+_RUNTIME_KEYS = {
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
+    "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "output_attentions",
+    "output_hidden_states", "return_dict", "_commit_hash", "use_return_dict", "gradient_checkpointing",
+    "_experts_implementation", "chunk_size_feed_forward", "tie_word_embeddings",
+}
+
+
+def unit_path(name: str) -> str:
+    """The executor's unit id for a module path of a plain or PEFT-wrapped model."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return ".".join(p for p in name.split(".") if p != "base_layer")
+
+
+def _shim_mixin(module: nn.Module, unit_id: str) -> type:
+    for _, matches, mixin in SHIM_TABLE:
+        if matches(module):
+            return mixin
+    supported = "; ".join(desc for desc, _, _ in SHIM_TABLE)
+    raise ModelMismatchError(
+        f"the executor serves {unit_id!r}, but the model's module there is a {type(module).__module__}."
+        f"{type(module).__name__} whose forward symbiont cannot stand in for. Supported: {supported}"
+    )
+
+
+def check_config(model_config, served_json: str) -> None:
+    served = json.loads(served_json)
+    mine = model_config.to_dict()
+    for key in sorted(served.keys() & mine.keys()):
+        if key in _RUNTIME_KEYS:
+            continue
+        if json.dumps(served[key], sort_keys=True, default=str) != json.dumps(mine[key], sort_keys=True, default=str):
+            raise ModelMismatchError(
+                f"model config differs from the served model at {key!r}: executor has {served[key]!r}, this model has {mine[key]!r}"
+            )
+
+
+def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: bool = True) -> nn.Module:
+    """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
+    `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
+
+    Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
+    Returns the same model object, changed in place. Raises ModelMismatchError naming the first
+    config field or unit that differs from the served model (the model is then unchanged).
+    """
+    from client.connection import Connection, connect
+
+    conn = executor if isinstance(executor, Connection) else connect(executor)
+    catalog = conn.catalog()
+    config = getattr(model, "config", None)
+    if config is None and hasattr(model, "get_base_model"):
+        config = model.get_base_model().config
+    if config is not None:
+        check_config(config, catalog.config_json)
+    served_dtype = codec.torch_dtype(catalog.dtype)
+
+    by_unit: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, VirtLayer):
+            raise ValueError(f"{name} is already virtualized (served by {module.transport.url})")
+        by_unit.setdefault(unit_path(name), []).append((name, module))
+
+    plan = []
+    for unit in catalog.units:
+        found = [(n, m) for n, m in by_unit.get(unit.id, []) if m.__dict__.get("_parameters", {}).get("weight") is not None]
+        if not found:
+            raise ModelMismatchError(f"the executor serves unit {unit.id!r}, which this model does not have")
+        name, module = found[-1]
+        mixin = _shim_mixin(module, unit.id)
+        w = module.weight
+        if w.dtype != served_dtype:
+            raise ModelMismatchError(
+                f"unit {unit.id!r}: the model holds {w.dtype}, the executor serves {served_dtype}; "
+                f"load the model with dtype={served_dtype}"
+            )
+        if check_weights and w.device.type != "meta" and fingerprint(w) != unit.fingerprint:
+            raise ModelMismatchError(f"unit {unit.id!r}: weights differ from the served model's (shape {list(w.shape)})")
+        if (unit.kind == "linear" and tuple(w.shape) != (unit.out_features, unit.in_features)) or (
+            unit.kind != "linear" and tuple(w.shape) != (unit.in_features, unit.out_features)
+        ):
+            raise ModelMismatchError(f"unit {unit.id!r}: shape {list(w.shape)} differs from the served unit")
+        plan.append((name, module, mixin, unit))
+
+    conn.ensure_attached()
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    for name, module, mixin, unit in plan:
+        shim = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, shim)
+    names = {name for name, *_ in plan}
+    leftovers = [n for n, m in model.named_modules() if n in names and not isinstance(m, VirtLayer)]
+    if leftovers:
+        warnings.warn(f"modules still hold real weights after virtualize: {leftovers[:5]}")
+    del plan
+    gc.collect()
+    return model

@@ -1,0 +1,25 @@
+"""A cheap, exact fingerprint of a weight tensor: shape, dtype and a strided sample of its bits.
+
+Both sides compute it the same way, so `virtualize()` can tell that a tenant's model is
+the served one (or name the first unit that differs) without moving the weights.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+SAMPLES = 4096
+
+
+def fingerprint(weight: torch.Tensor) -> str:
+    flat = weight.detach().reshape(-1)
+    n = flat.numel()
+    k = min(n, SAMPLES)
+    # integer arithmetic so every torch version picks the same elements
+    idx = (torch.arange(k, dtype=torch.int64) * max(n - 1, 0)) // max(k - 1, 1)
+    sample = flat[idx.to(flat.device)].contiguous().cpu()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{tuple(weight.shape)}|{str(weight.dtype)}|".encode())
+    h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

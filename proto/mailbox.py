@@ -1,0 +1,91 @@
+"""Layout of the same-host shared memory: the executor's wake word and each tenant's mailbox.
+
+Every region is a sealed memfd owned by the executor (it cannot be shrunk or grown by a
+tenant, so a tenant cannot make the executor fault); a tenant maps it through
+/proc/<executor pid>/fd/<fd>.
+
+Mailbox layout (offsets in bytes):
+
+    [REQUEST_RING_OFFSET, +RING_REGION)   tenant -> executor calls   (csrc Ring)
+    [REPLY_RING_OFFSET,   +RING_REGION)   executor -> tenant replies (csrc Ring)
+    [REPLY_BELL_OFFSET,   +8)             doorbell the executor rings after a reply
+    [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
+
+Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+
+from proto._doorbell import Doorbell, Ring
+
+RING_SLOTS = 64
+RING_SLOT_SIZE = 512
+RING_REGION = 36864  # Ring.bytes_needed(64, 512) = 32896, rounded up to pages
+REQUEST_RING_OFFSET = 0
+REPLY_RING_OFFSET = REQUEST_RING_OFFSET + RING_REGION
+REPLY_BELL_OFFSET = REPLY_RING_OFFSET + RING_REGION
+DATA_OFFSET = REPLY_BELL_OFFSET + 4096
+WAKE_BYTES = 4096
+ALIGN = 64
+
+assert Ring.bytes_needed(RING_SLOTS, RING_SLOT_SIZE) <= RING_REGION
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def create_region(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """Executor side: a sealed, zero-filled shared region of `size` bytes. Returns (fd, map)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_region(owner_pid: int, fd: int, size: int) -> mmap.mmap:
+    """Tenant side: map a region the executor created."""
+    path = f"/proc/{owner_pid}/fd/{fd}"
+    try:
+        local = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise ConnectionError(
+            f"cannot open the executor's shared region {path}: {e}. The tenant must run on the same host, "
+            "as the same user, and in the same PID namespace as the executor."
+        ) from e
+    try:
+        if os.fstat(local).st_size < size:
+            raise ConnectionError(f"shared region {path} is smaller than the {size} bytes the executor announced")
+        return mmap.mmap(local, size)
+    finally:
+        os.close(local)
+
+
+class Mailbox:
+    """A view on one tenant's mailbox: both rings, the reply doorbell and the data area."""
+
+    def __init__(self, mem: mmap.mmap, data_bytes: int):
+        self.mem = mem
+        self.data_bytes = data_bytes
+        self.requests = Ring(mem, REQUEST_RING_OFFSET, RING_SLOTS, RING_SLOT_SIZE)
+        self.replies = Ring(mem, REPLY_RING_OFFSET, RING_SLOTS, RING_SLOT_SIZE)
+        self.reply_bell = Doorbell(mem, REPLY_BELL_OFFSET)
+
+    @staticmethod
+    def total_bytes(data_bytes: int) -> int:
+        return DATA_OFFSET + data_bytes
+
+    def close(self) -> None:
+        """Drops the ring views and unmaps; a tensor still viewing the data keeps the map alive until it dies."""
+        self.requests = self.replies = self.reply_bell = None
+        try:
+            self.mem.close()
+        except BufferError:
+            pass

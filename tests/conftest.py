@@ -1,0 +1,122 @@
+"""Test fixtures: a real `base-executor serve` process per model, started by the tests."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from proto import executor_pb2 as pb
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_counter = itertools.count()
+
+
+def _health(url: str, timeout_s: float) -> bool:
+    from client.transport import open_transport
+
+    t = open_transport(url)
+    try:
+        return t.control("health", pb.HealthRequest(), timeout_s=timeout_s).health.serving
+    except Exception:
+        return False
+    finally:
+        t.close()
+
+
+class Executor:
+    """A running `base-executor serve` process; `url` is its address, `log()` its output so far."""
+
+    def __init__(self, model: str, *flags: str):
+        self.model = model
+        self.url = f"local://test-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+        self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), self.url.split("//")[1] + ".log")
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", self.url, *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + 180
+        while not _health(self.url, 1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"executor exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"executor did not come up:\n{self.log()}")
+            time.sleep(0.2)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_executor(model: str = "tiny-llama", *flags: str):
+    ex = Executor(model, *flags)
+    try:
+        yield ex
+    finally:
+        rc = ex.stop()
+        assert rc == 0, f"executor exited with {rc}:\n{ex.log()}"
+
+
+_shared: dict[str, Executor] = {}
+
+
+@pytest.fixture(scope="session")
+def executor_for():
+    """executor_for(model) -> a session-wide executor of that built-in model (started once)."""
+
+    def get(model: str) -> Executor:
+        ex = _shared.get(model)
+        if ex is None or not ex.alive():
+            ex = _shared[model] = Executor(model)
+        return ex
+
+    yield get
+    for ex in _shared.values():
+        rc = ex.stop()
+        assert rc == 0, f"executor {ex.model} exited with {rc}:\n{ex.log()}"
+
+
+@pytest.fixture
+def executor(executor_for):
+    """The session's tiny-llama executor."""
+    return executor_for("tiny-llama")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
