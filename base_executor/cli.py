@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_wait_us=args.max_wait_us,
         inference_wait_us=args.inference_wait_us if args.inference_wait_us is not None else args.max_wait_us // 10,
         max_batch_tokens=args.max_batch_tokens,
+        exact=args.exact,
     )
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=args.mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20
@@ -57,8 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
         "model %s: %d units, %.1f M frozen parameters, %s on %s, loaded in %.1f s",
         catalog.model, len(table), table.parameter_count() / 1e6, args.dtype, device, time.monotonic() - t0,
     )
-    log.info("batching: max wait %d us (inference %d us), max batch %d tokens",
-             sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens)
+    log.info("batching: max wait %d us (inference %d us), max batch %d tokens%s",
+             sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens, ", exact (batch-invariant)" if sched.exact else "")
 
     def on_signal(signum, _frame):
         log.info("%s: draining in-flight calls, then exiting", signal.Signals(signum).name)
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-wait-us", type=int, default=500, help="longest a training call waits to be batched")
     s.add_argument("--inference-wait-us", type=int, default=None, help="longest an inference call waits (default max-wait/10)")
     s.add_argument("--max-batch-tokens", type=int, default=8192, help="a unit's queue with this many tokens runs at once")
+    s.add_argument("--exact", action="store_true", help="batch-invariant results: one GEMM per call within a batch, "
+                   "so every tenant gets bitwise what it would get alone (slower under load)")
     s.add_argument("--mailbox-mb", type=int, default=16, help="initial shared-memory data area per tenant")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
     s.add_argument("--log-level", default="INFO")

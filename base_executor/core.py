@@ -109,6 +109,9 @@ class ExecutorCore:
         calls = self.scheduler.pop_batch(now, can_grow)
         if not calls:
             return []
+        if self.scheduler.config.exact and len(calls) > 1:
+            self.counters.batches += 1 - len(calls)  # one batch, run as len(calls) GEMMs
+            return [r for c in calls for r in self._run_alone(c)]
         unit, op = calls[0].unit, calls[0].op
         x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
         try:

@@ -23,6 +23,9 @@ class SchedulerConfig:
     """How long an inference call may wait (shorter: latency matters)."""
     max_batch_tokens: int = 8192
     """A queue with this many tokens runs at once."""
+    exact: bool = False
+    """Batch-invariant results: each call of a batch gets its own GEMM, so a tenant's results are
+    bitwise what it would get alone (GEMM kernels reorder sums with the row count otherwise)."""
 
     def __post_init__(self):
         if self.max_wait_us < 0 or self.inference_wait_us < 0:

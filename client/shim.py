@@ -48,7 +48,10 @@ class RemoteWeight(torch.Tensor):
         return f"RemoteWeight(unit={self.unit!r}, shape={list(self.shape)}, dtype={self.dtype}, url={self.url!r})"
 
     def __reduce_ex__(self, proto):
-        raise RuntimeError(f"'{self.unit}' lives in the base executor at {self.url}; a placeholder cannot be saved")
+        raise RuntimeError(
+            f"'{self.unit}' is served by the base executor at {self.url}: this process holds only a placeholder, "
+            "which cannot be saved; save the adapter (PEFT save_pretrained) instead of the full model"
+        )
 
 
 # ---- the custom op ----------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Shared test helpers: the architectures under test, their LoRA targets, deterministic inputs."""
+from __future__ import annotations
+
+import torch
+
+from base_executor.models import build_builtin
+
+ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2", "tiny-phi3"]
+LORA_TARGETS = {
+    "tiny-llama": ["q_proj", "v_proj"],
+    "tiny-qwen2": ["q_proj", "v_proj"],
+    "tiny-mistral": ["q_proj", "v_proj"],
+    "tiny-gemma2": ["q_proj", "v_proj"],
+    "tiny-gpt2": ["c_attn"],
+    "tiny-phi3": ["qkv_proj"],
+}
+
+
+def ids(batch: int = 2, seq: int = 12, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, seq), generator=g)
+
+
+def lora_model(name: str, seed: int = 1, base=None):
+    """build_builtin(name) (or `base`) wrapped in PEFT LoRA with random A and B (B != 0 so
+    every adapter weight gets a gradient from the first step)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_builtin(name) if base is None else base
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS[name], init_lora_weights=False,
+        fan_in_fan_out=name == "tiny-gpt2", lora_dropout=0.0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(base, config)
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def assert_grads_close(ref: dict, got: dict, rtol: float = 1e-5) -> None:
+    assert ref.keys() == got.keys() and ref, f"adapter parameters differ: {sorted(ref)} vs {sorted(got)}"
+    for name in ref:
+        err = (ref[name] - got[name]).norm().item()
+        scale = ref[name].norm().item()
+        assert scale > 0, f"{name} has a zero gradient: the test would not see a difference"
+        assert err <= rtol * scale, f"{name}: |diff| {err:.3e} > {rtol} x |grad| {scale:.3e}"
