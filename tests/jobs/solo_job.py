@@ -1,0 +1,53 @@
+"""A tenant job for the multi-tenant tests: `train` runs LoRA SGD steps, `generate` greedy
+decodes a few prompts; both save what they computed to --out."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from base_executor.models import build_builtin  # noqa: E402
+from client import virtualize  # noqa: E402
+from tests.models import ids, lora_model  # noqa: E402
+
+
+def train(url: str, steps: int) -> dict:
+    model = virtualize(lora_model("tiny-llama"), url)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    losses = []
+    for step in range(steps):
+        x = ids(2, 8 + step % 5, seed=100 + step)
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    out = {f"param:{n}": p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    out["losses"] = torch.stack(losses)
+    return out
+
+
+def generate(url: str, prompts: int) -> dict:
+    model = virtualize(build_builtin("tiny-llama"), url)
+    out = {}
+    for i in range(prompts):
+        prompt = ids(1, 4 + i % 3, seed=200 + i)
+        out[f"tokens:{i}"] = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            out[f"logits:{i}"] = model(out[f"tokens:{i}"]).logits
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--mode", choices=["train", "generate"], required=True)
+    p.add_argument("--n", type=int, default=6)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    result = train(a.url, a.n) if a.mode == "train" else generate(a.url, a.n)
+    torch.save(result, a.out)

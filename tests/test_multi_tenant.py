@@ -1,0 +1,50 @@
+"""Two tenants at once — one fine-tuning, one generating, each its own process — get their solo results."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from client import connect
+from tests.conftest import REPO, running_executor
+
+JOB = os.path.join(REPO, "tests", "jobs", "solo_job.py")
+
+
+def _start(url: str, mode: str, out: str, n: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, JOB, "--url", url, "--mode", mode, "--n", str(n), "--out", out], cwd=REPO)
+
+
+def _run(url, jobs, tmp_path, tag) -> dict:
+    procs = {mode: _start(url, mode, str(tmp_path / f"{tag}-{mode}.pt"), n) for mode, n in jobs}
+    for mode, p in procs.items():
+        assert p.wait(timeout=300) == 0, f"{mode} job failed"
+    return {mode: torch.load(tmp_path / f"{tag}-{mode}.pt") for mode in procs}
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "batched"])
+def test_training_and_generating_tenants_get_solo_results(tmp_path, exact):
+    flags = ["--max-wait-us", "3000"] + (["--exact"] if exact else [])
+    jobs = [("train", 8), ("generate", 4)]
+    with running_executor("tiny-llama", *flags) as ex:
+        solo = {}
+        for job in jobs:
+            solo.update(_run(ex.url, [job], tmp_path, "solo"))
+        with connect(ex.url) as conn:
+            before = conn.stats()
+        together = _run(ex.url, jobs, tmp_path, "together")
+        with connect(ex.url) as conn:
+            after = conn.stats()
+    calls, batches = after.calls - before.calls, after.batches - before.batches
+    assert calls > batches, f"the two tenants were never batched together ({calls} calls in {batches} batches)"
+    for mode in ("train", "generate"):
+        assert solo[mode].keys() == together[mode].keys()
+        for key, a in solo[mode].items():
+            b = together[mode][key]
+            if exact or key.startswith("tokens"):
+                assert torch.equal(a, b), f"{mode} {key} differs from its solo run"
+            else:  # batched GEMMs sum in another order: equal to float32 rounding
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{mode} {key}")
