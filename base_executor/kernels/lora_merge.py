@@ -1,0 +1,177 @@
+"""Swift mode switch and the deLoRA branch (VaLoRA 4.4.1, 4.4.2).
+
+`plan_merge` describes every layer of one adapter (weight, lora_A, lora_B, scale) once,
+at adapter load; `merge_lora_` / `unmerge_lora_` then add or subtract ΔW = scale·B·A
+into all those weights in place with one kernel launch, computing ΔW tile by tile in
+registers (ΔW is never stored).
+
+While adapter m is merged, requests of other adapters x go through deLoRA: the executor
+computes x @ W_merged^T as usual and `delora_` adds two low-rank ATMM branches, +x's own
+adapter and −m, so the result is x @ (W_base + ΔW_x)^T without forming any full-size
+difference matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .atmm import LoraPool, SegmentPlan, _mma, atmm, plan_segments
+from .tiling import TilingTable
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _merge_kernel(table_ptr, scale_ptr, sign,
+                  DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ADDR_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+    # grid: (max tiles of one matrix, matrices); program (p, i) updates tile p of matrix i:
+    # W_i[m, n] += sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
+    pid = tl.program_id(0)
+    row = table_ptr + tl.program_id(1) * 10
+    n_out = tl.load(row + 3)
+    n_in = tl.load(row + 4)
+    tiles_n = tl.cdiv(n_in, BLOCK_N)
+    if pid < tl.cdiv(n_out, BLOCK_M) * tiles_n:
+        # Hints: W and A rows start on 16-byte boundaries (checked by plan_merge), so the
+        # compiler may use 16-byte loads along a row.
+        w_ptr = tl.multiple_of(tl.load(row + 0), ADDR_ALIGN).to(tl.pointer_type(DTYPE))
+        a_ptr = tl.multiple_of(tl.load(row + 1), ADDR_ALIGN).to(tl.pointer_type(DTYPE))
+        b_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        rank = tl.load(row + 5)
+        stride_w = tl.multiple_of(tl.load(row + 6), ROW_ALIGN)
+        stride_a = tl.multiple_of(tl.load(row + 7), ROW_ALIGN)
+        stride_bo = tl.load(row + 8)
+        stride_br = tl.load(row + 9)
+        offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        m_ok = offs_m < n_out
+        n_ok = offs_n < n_in
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            r_ok = (r0 + offs_r) < rank
+            bt = tl.load(b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br,
+                         mask=m_ok[:, None] & r_ok[None, :], other=0.0)            # [BM, BR]
+            at = tl.load(a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)            # [BR, BN]
+            acc = _mma(bt, at, acc, UPCAST)
+        s = tl.load(scale_ptr + tl.program_id(1)) * sign
+        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+        if EVEN:
+            wt = tl.load(w_ptrs).to(tl.float32)
+            tl.store(w_ptrs, (wt + s * acc).to(DTYPE))
+        else:
+            mask = m_ok[:, None] & n_ok[None, :]
+            wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(w_ptrs, (wt + s * acc).to(DTYPE), mask=mask)
+
+
+@dataclass(frozen=True, eq=False)
+class MergePlan:
+    """All layers of one adapter, ready to be merged or unmerged in one launch."""
+
+    table: torch.Tensor   # [layers, 10] int64: w, a, b addresses; out, in, rank; strides w, a, b_out, b_r
+    scales: torch.Tensor  # [layers] float32
+    max_tiles: int
+    dtype: torch.dtype
+    aligned: bool
+    even: bool
+    block_m: int
+    block_n: int
+    block_r: int
+    num_warps: int
+    keep: tuple           # the tensors whose addresses the table holds
+
+
+def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
+               block_m: int = 64, block_n: int = 128, block_r: int = 32, num_warps: int = 4) -> MergePlan:
+    """Describe `weights[i] += scale_i * B_i @ A_i` for all i.
+
+    weights[i]: [out_i, in_i] (nn.Linear layout), contiguous along in_i.
+    loras[i]: (A_i [r_i, in_i] contiguous along in_i, B_i [out_i, r_i] any strides
+    (lora_B.weight, or a pool's b_rows[...].t()), scale_i). Same dtype as the weight.
+    The plan holds the addresses: keep the tensors alive and in place.
+    """
+    if len(weights) != len(loras) or not weights:
+        raise ValueError(f"need one (A, B, scale) per weight: {len(weights)} weights, {len(loras)} adapters")
+    dtype, dev = weights[0].dtype, weights[0].device
+    if dtype not in _TL_DTYPE:
+        raise TypeError(f"weights must be bf16, fp16 or fp32, got {dtype}")
+    rows, scales, tiles, aligned, even = [], [], 0, True, True
+    for i, (w, (a, b, scale)) in enumerate(zip(weights, loras)):
+        if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"layer {i}: weight, A and B must be 2-D")
+        n_out, n_in = w.shape
+        r = a.shape[0]
+        if a.shape[1] != n_in or b.shape != (n_out, r):
+            raise ValueError(f"layer {i}: W {tuple(w.shape)} needs A [r, {n_in}] and B [{n_out}, r], "
+                             f"got A {tuple(a.shape)}, B {tuple(b.shape)}")
+        if {w.dtype, a.dtype, b.dtype} != {dtype} or {w.device, a.device, b.device} != {dev}:
+            raise TypeError(f"layer {i}: weights, A and B must share dtype {dtype} and device {dev}")
+        if w.stride(1) != 1 or a.stride(1) != 1:
+            raise ValueError(f"layer {i}: W and A must be contiguous along the input dimension")
+        aligned &= all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (w, a))
+        even &= n_out % block_m == 0 and n_in % block_n == 0
+        rows.append([w.data_ptr(), a.data_ptr(), b.data_ptr(), n_out, n_in, r,
+                     w.stride(0), a.stride(0), b.stride(0), b.stride(1)])
+        scales.append(float(scale))
+        tiles = max(tiles, triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
+    table = torch.tensor(rows, dtype=torch.int64).to(dev)
+    keep = tuple(weights) + tuple(t for a, b, _ in loras for t in (a, b))
+    return MergePlan(table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, dtype, aligned, even,
+                     block_m, block_n, block_r, num_warps, keep)
+
+
+def _apply(plan: MergePlan, sign: float) -> None:
+    upcast = plan.table.device.type != "cuda"
+    es = plan.dtype.itemsize
+    _merge_kernel[(plan.max_tiles, plan.table.shape[0])](
+        plan.table, plan.scales, sign, DTYPE=_TL_DTYPE[plan.dtype], BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, BLOCK_R=plan.block_r, ADDR_ALIGN=16 if plan.aligned else 1,
+        ROW_ALIGN=16 // es if plan.aligned else 1, EVEN=plan.even, UPCAST=upcast,
+        num_warps=plan.num_warps)
+
+
+def merge_lora_(plan: MergePlan) -> None:
+    """W += scale·B·A for every layer of the plan, in place, one launch."""
+    _apply(plan, 1.0)
+
+
+def unmerge_lora_(plan: MergePlan) -> None:
+    """W -= scale·B·A for every layer of the plan, in place, one launch."""
+    _apply(plan, -1.0)
+
+
+@dataclass(frozen=True, eq=False)
+class DeloraPlan:
+    """The two ATMM branches of a mixed batch while slot `merged_slot` is merged."""
+
+    own: SegmentPlan     # rows of other adapters, each with its own slot
+    merged: SegmentPlan  # rows not of the merged adapter (base requests too), with the merged slot
+    merged_slot: int
+
+
+def plan_delora(seg_lens: Sequence[int], seg_slots: Sequence[int], slot_ranks: Sequence[int],
+                merged_slot: int, device: torch.device | str) -> DeloraPlan:
+    """Segments as for plan_segments; rows of `merged_slot` are served by the merged weight alone."""
+    own = [s if s != merged_slot else -1 for s in seg_slots]
+    sub = [merged_slot if s != merged_slot else -1 for s in seg_slots]
+    return DeloraPlan(plan_segments(seg_lens, own, slot_ranks, device),
+                      plan_segments(seg_lens, sub, slot_ranks, device), merged_slot)
+
+
+def delora_(x: torch.Tensor, y: torch.Tensor, pool: LoraPool, plan: DeloraPlan, *,
+            table: TilingTable | None = None) -> torch.Tensor:
+    """y (= x @ W_merged^T) += x's own adapter − the merged adapter, per row; in place.
+
+    x: [tokens, h_in], y: [tokens, h_out]; the merged adapter must be pool slot
+    plan.merged_slot with the weights and scale that were merged.
+    """
+    atmm(x, y, pool, plan.own, table=table)
+    return atmm(x, y, pool, plan.merged, table=table, scale_mult=-1.0)

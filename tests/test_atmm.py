@@ -1,0 +1,346 @@
+"""ATMM, merge/unmerge and deLoRA kernels against their plain-PyTorch twins.
+
+Without CUDA the Triton kernels run in Triton's interpreter on CPU tensors (small
+shapes); with CUDA the same cases run compiled on the GPU, and the `gpu`-marked cases
+add model-sized shapes. Inputs are random and fresh per case; every check compares the
+LoRA delta row by row, and rows no adapter serves must come back bit for bit.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+from base_executor.kernels import tiling  # noqa: E402
+from base_executor.kernels.atmm import atmm, pack_lora_pool, plan_segments  # noqa: E402
+from base_executor.kernels.atmm_ref import (  # noqa: E402
+    atmm_loop, atmm_padded_bmm, atmm_ref, delora_ref, merge_ref, pool_adapter, prepare_loop, prepare_padded)
+from base_executor.kernels.lora_merge import (  # noqa: E402
+    delora_, merge_lora_, plan_delora, plan_merge, unmerge_lora_)
+from base_executor.kernels.tiling import ShapeClass, TileConfig, TilingTable  # noqa: E402
+from base_executor.kernels.tune_atmm import main as tune_main, model_shapes  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float16]
+# Per-row delta error allowed: bf16 keeps 8 significant bits, fp16 11.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def make_adapters(ranks, h_in, h_out, dtype, device=DEV, gen=None):
+    """Adapters whose delta has entries of order 1 for x ~ N(0, 1)."""
+    out = []
+    for i, r in enumerate(ranks):
+        a = torch.randn(r, h_in, generator=gen) / h_in ** 0.5
+        b = torch.randn(h_out, r, generator=gen) / r ** 0.5
+        out.append((a.to(device, dtype), b.to(device, dtype), 0.5 + 0.25 * (i % 5)))
+    return out
+
+
+def make_pool(ranks, h_in, h_out, dtype, spare=5):
+    ads = make_adapters(ranks, h_in, h_out, dtype)
+    rows = sum(ranks) + spare
+    return pack_lora_pool(ads, row_order=torch.randperm(rows), spare_rows=spare)  # scattered, like pages
+
+
+def check_rows(out, y0, ref, seg_lens, seg_slots, dtype):
+    """Each served row's delta matches the reference; unserved rows are untouched."""
+    served = torch.tensor([s >= 0 for n, s in zip(seg_lens, seg_slots) for _ in range(n)], dtype=torch.bool)
+    served = served.to(out.device)
+    assert torch.equal(out[~served], y0[~served]), "rows without an adapter were written"
+    if served.any():
+        d_out = out[served].float() - y0[served].float()
+        d_ref = ref[served].float() - y0[served].float()
+        err = (d_out - d_ref).norm(dim=1) / d_ref.norm(dim=1).clamp_min(1e-3)
+        assert torch.isfinite(d_out).all()
+        assert err.max().item() < TOL[dtype], f"worst row error {err.max().item():.3g}"
+
+
+# Layouts: (segment lengths, slots per segment, ranks of the pool's slots)
+LAYOUTS = {
+    "one_token_segments": ([1] * 24, [i % 6 for i in range(24)], [8, 16, 32, 64, 128, 24]),
+    "long_segments": ([70, 1, 33], [1, 0, 2], [128, 8, 40]),
+    "empty_segments": ([0, 5, 0, 0, 9, 0, 3], [0, 1, 2, -1, 0, 1, -1], [16, 8, 64]),
+    "many_adapters": ([1 + i % 3 for i in range(64)], list(range(64)), [8 * (1 + i % 16) for i in range(64)]),
+    "single_token": ([1], [0], [32]),
+}
+CONFIGS = {
+    "split": TileConfig(mode="split", block_m=16, block_k=32, block_n=32, split=1),
+    "split_k3": TileConfig(mode="split", block_m=32, block_k=64, block_n=64, split=3),
+    "fused": TileConfig(mode="fused", block_m=16, block_k=64, block_n=32, split=1),
+    "fused_n3": TileConfig(mode="fused", block_m=64, block_k=32, block_n=16, split=3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_atmm_matches_reference(layout, cfg, dtype):
+    if layout == "many_adapters" and (dtype == torch.float16 or cfg in ("split", "fused")) and not HAS_CUDA:
+        pytest.skip("slow in the interpreter; bf16 with split_k3 and fused_n3 cover this layout on CPU")
+    seg_lens, seg_slots, ranks = LAYOUTS[layout]
+    h_in, h_out = 96, 80  # block_k 64 leaves a partial K step, block_n never divides 80 evenly
+    pool = make_pool(ranks, h_in, h_out, dtype)
+    t = sum(seg_lens)
+    x = torch.randn(t, h_in, device=DEV).to(dtype)
+    y0 = torch.randn(t, h_out, device=DEV).to(dtype)
+    plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
+    out = atmm(x, y0.clone(), pool, plan, config=CONFIGS[cfg])
+    ref = atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots)
+    check_rows(out, y0, ref, seg_lens, seg_slots, dtype)
+
+
+def test_atmm_default_table_many_tokens_and_column_slice():
+    """1024 rows through the built-in tiling, writing into a column slice of a wider output."""
+    dtype = torch.bfloat16
+    seg_lens, seg_slots, ranks = [600, 0, 300, 124], [2, 0, -1, 1], [128, 8, 16]
+    pool = make_pool(ranks, 64, 48, dtype)
+    x = torch.randn(1024, 64, device=DEV).to(dtype)
+    wide = torch.randn(1024, 112, device=DEV).to(dtype)
+    before = wide.clone()
+    y = wide[:, 32:80]  # row stride 112
+    plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
+    atmm(x, y, pool, plan, table=TilingTable("test"))
+    ref = atmm_ref(x, before[:, 32:80].clone(), pool, seg_lens, seg_slots)
+    check_rows(wide[:, 32:80], before[:, 32:80], ref, seg_lens, seg_slots, dtype)
+    assert torch.equal(wide[:, :32], before[:, :32]) and torch.equal(wide[:, 80:], before[:, 80:])
+
+
+def test_atmm_negative_scale_and_no_adapter_batch():
+    dtype = torch.float16
+    pool = make_pool([16, 32], 48, 40, dtype)
+    x = torch.randn(7, 48, device=DEV).to(dtype)
+    y0 = torch.randn(7, 40, device=DEV).to(dtype)
+    out = atmm(x, y0.clone(), pool, plan_segments([3, 4], [1, 0], [16, 32], DEV), scale_mult=-1.0)
+    ref = atmm_ref(x, y0.clone(), pool, [3, 4], [1, 0], scale_mult=-1.0)
+    check_rows(out, y0, ref, [3, 4], [1, 0], dtype)
+    none = plan_segments([3, 4], [-1, -1], [16, 32], DEV)
+    assert none.num_active == 0 and torch.equal(atmm(x, y0.clone(), pool, none), y0)
+
+
+def test_plan_groups_rows_by_adapter():
+    seg_lens, seg_slots = [2, 0, 40, 1, 3, 5], [1, 0, 0, -1, 1, 2]
+    plan = plan_segments(seg_lens, seg_slots, [8, 128, 16], "cpu")
+    assert (plan.num_tokens, plan.num_active, plan.num_adapters, plan.max_rank) == (51, 50, 3, 128)
+    tok = plan.token_index.tolist()
+    assert sorted(tok) == [r for r in range(51) if r != 42]
+    row_slot = [s for n, s in zip(seg_lens, seg_slots) for _ in range(n)]
+    for bm, tiles in plan.tiles.items():
+        seen = []
+        for slot, first, count in tiles.tolist():
+            assert 1 <= count <= bm
+            rows = tok[first:first + count]
+            assert all(row_slot[r] == slot for r in rows)
+            seen += rows
+        assert sorted(seen) == sorted(tok)
+    for bad in (([1, 2], [0]), ([1], [3]), ([-1], [0]), ([1], [-2])):
+        with pytest.raises(ValueError):
+            plan_segments(*bad, [8, 8, 8], "cpu")
+
+
+def test_atmm_rejects_bad_inputs():
+    pool = make_pool([8], 32, 16, torch.bfloat16)
+    plan = plan_segments([4], [0], [8], DEV)
+    x = torch.randn(4, 32, device=DEV).to(torch.bfloat16)
+    y = torch.zeros(4, 16, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(TypeError):
+        atmm(x.float(), y, pool, plan)
+    with pytest.raises(ValueError):
+        atmm(x.t().contiguous().t(), y, pool, plan)
+    with pytest.raises(ValueError):
+        atmm(x[:3], y[:3], pool, plan)
+    with pytest.raises(ValueError):
+        atmm(x[:, :16], y, pool, plan)
+    with pytest.raises(ValueError):
+        tiling.block_r_for(129)
+
+
+def test_baselines_match_reference():
+    dtype = torch.bfloat16
+    seg_lens, seg_slots, ranks = LAYOUTS["empty_segments"]
+    pool = make_pool(ranks, 64, 48, dtype)
+    x = torch.randn(sum(seg_lens), 64, device=DEV).to(dtype)
+    y0 = torch.randn(sum(seg_lens), 48, device=DEV).to(dtype)
+    ref = atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots)
+    padded = atmm_padded_bmm(x, y0.clone(), prepare_padded(pool, seg_lens, seg_slots))
+    check_rows(padded, y0, ref, seg_lens, seg_slots, dtype)
+    loop = atmm_loop(x, y0.clone(), prepare_loop(pool, seg_lens, seg_slots))
+    check_rows(loop, y0, ref, seg_lens, seg_slots, dtype)
+
+
+def merge_layers(shapes, rank, dtype, device=DEV):
+    """Weights and adapters of a few layers; B alternates between PEFT and pool layout."""
+    weights, loras = [], []
+    for i, (n_out, n_in) in enumerate(shapes):
+        weights.append(torch.randn(n_out, n_in, device=device).to(dtype))
+        a, b, s = make_adapters([rank], n_in, n_out, dtype, device)[0]
+        if i % 2:
+            b = b.t().contiguous().t()  # [out, r] view of a [r, out] pool-style buffer
+        loras.append((a, b, s * 4.0))   # deltas comparable to the weights
+    return weights, loras
+
+
+def eps(dtype):
+    """Bound on one rounding to dtype, relative: half an ulp when rounding to nearest (GPU);
+    a whole ulp for bf16 in Triton's interpreter, which truncates when narrowing to bf16."""
+    if dtype == torch.bfloat16 and not HAS_CUDA:
+        return torch.finfo(dtype).eps
+    return torch.finfo(dtype).eps / 2
+
+
+def merge_bound(ref, w0, a, b, s):
+    """|merged - merge_ref| allowed: one rounding each, plus fp32 summation-order error of ΔW."""
+    magnitude = w0.float().abs() + abs(s) * (b.float().abs() @ a.float().abs())
+    return 2 * eps(ref.dtype) * ref.float().abs() + 1e-6 * magnitude
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_merge_then_unmerge_restores_weights(dtype):
+    shapes = [(64, 96), (40, 96), (96, 40), (64, 128)]
+    weights, loras = merge_layers(shapes, 24, dtype)
+    originals = [w.clone() for w in weights]
+    even = [(64, 128), (128, 64)]
+    plan = plan_merge(weights, loras, block_m=32, block_n=32, block_r=16)
+    assert not plan.even
+    merge_lora_(plan)
+    for w, w0, (a, b, s) in zip(weights, originals, loras):
+        ref = merge_ref(w0.clone(), a, b, s)
+        assert not torch.equal(w, w0)
+        assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all(), \
+            "merged weight off by more than an ulp"
+    unmerge_lora_(plan)
+    for w, w0, (a, b, s) in zip(weights, originals, loras):
+        delta = s * (b.float() @ a.float())
+        bound = eps(dtype) * (2 * w0.float().abs() + delta.abs()) * 1.01 + 1e-6
+        assert ((w.float() - w0.float()).abs() <= bound).all(), "unmerge did not restore the weights"
+    ew, el = merge_layers(even, 8, torch.bfloat16)
+    originals_even = [w.clone() for w in ew]
+    eplan = plan_merge(ew, el, block_m=32, block_n=32, block_r=16)
+    assert eplan.even and eplan.aligned
+    refs = [merge_ref(w.clone(), a, b, s) for w, (a, b, s) in zip(ew, el)]
+    merge_lora_(eplan)
+    for w, ref, w0, (a, b, s) in zip(ew, refs, originals_even, el):
+        assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
+
+
+def test_merge_rejects_mismatched_layers():
+    w = torch.zeros(8, 16, device=DEV)
+    with pytest.raises(ValueError):
+        plan_merge([w], [(torch.zeros(4, 8, device=DEV), torch.zeros(8, 4, device=DEV), 1.0)])
+    with pytest.raises(TypeError):
+        plan_merge([w], [(torch.zeros(4, 16, device=DEV, dtype=torch.float16), torch.zeros(8, 4, device=DEV), 1.0)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_delora_equals_unmerged_reference(dtype):
+    """Adapter 1 merged into W; rows of other adapters and base rows still get W_base + their own."""
+    h_in, h_out, ranks = 64, 48, [16, 64, 8, 128]
+    pool = make_pool(ranks, h_in, h_out, dtype)
+    w_base = (torch.randn(h_out, h_in, device=DEV) / h_in ** 0.5).to(dtype)
+    w = w_base.clone()
+    a, b, s = pool_adapter(pool, 1)
+    merge_lora_(plan_merge([w], [(a.contiguous(), b, s)]))
+    seg_lens, seg_slots = [5, 3, 0, 7, 2, 4], [1, 0, 2, -1, 3, 1]
+    x = torch.randn(sum(seg_lens), h_in, device=DEV).to(dtype)
+    y = (x.float() @ w.float().t()).to(dtype)  # the executor's merged GEMM
+    delora_(x, y, pool, plan_delora(seg_lens, seg_slots, ranks, 1, DEV))
+    ref = delora_ref(x, w_base, pool, seg_lens, seg_slots)
+    err = (y.float() - ref.float()).norm(dim=1) / ref.float().norm(dim=1)
+    assert err.max().item() < 2 * TOL[dtype]
+    # without the deLoRA branches the other rows would be off by adapter 1's delta
+    plain = (x.float() @ w.float().t()).to(dtype)
+    assert ((plain.float() - ref.float()).norm(dim=1) / ref.float().norm(dim=1))[5:8].min() > 10 * TOL[dtype]
+
+
+# ---- tiling table -----------------------------------------------------------------------
+
+def test_tiling_table_roundtrip_nearest_and_fallbacks(tmp_path):
+    a = TileConfig(mode="fused", block_m=16, block_k=128, block_n=64, split=16)
+    b = TileConfig(mode="split", block_m=64, block_k=64, block_n=128, split=1, num_warps=8)
+    small = ShapeClass.of(16, 4, 64, 4096, 4096)
+    big = ShapeClass.of(8192, 4, 64, 4096, 4096)
+    path = tmp_path / "t.json"
+    TilingTable("GPU-A", {small: a, big: b}, static_best=b, timings={small: {"us": 9.0}}).save(path)
+    TilingTable("GPU-B", {small: b}).save(path)  # a second GPU keeps the first's table
+    t = TilingTable.load(path, "GPU-A")
+    assert t.entries == {small: a, big: b} and t.static_best == b and t.timings[small] == {"us": 9.0}
+    assert t.lookup(16, 4, 64, 4096, 4096) == a
+    assert t.lookup(6000, 3, 50, 4096, 4096) == b       # nearest: same width, many tokens
+    assert t.lookup(2, 1, 8, 2048, 512) == a            # nearest: few tokens
+    assert TilingTable.load(path, "GPU-B").lookup(16, 4, 64, 4096, 4096) == b
+    unknown = TilingTable.load(path, "GPU-C")           # no entry: built-in defaults
+    assert unknown.entries == {} and unknown.lookup(1, 1, 8, 64, 64).mode == "fused"
+    assert TilingTable.load(tmp_path / "missing.json", "GPU-A").entries == {}
+    doc = json.loads(path.read_text())
+    doc["version"] = tiling.VERSION + 1
+    path.write_text(json.dumps(doc))
+    assert TilingTable.load(path, "GPU-A").entries == {}  # other format version: ignored, not an error
+
+
+def test_fit_config_keeps_shared_memory_in_budget():
+    huge = TileConfig(mode="split", block_m=128, block_k=256, block_n=256, split=1, num_stages=6)
+    fitted = tiling.fit_config(huge, 128)
+    assert fitted != huge and fitted.num_stages >= 2
+    assert 2 * fitted.num_stages * (128 * fitted.block_k + fitted.block_k * 128) <= tiling.SMEM_BUDGET
+    for tokens in (1, 3, 64, 1000, 8192, 100000):
+        for rank in (1, 8, 100, 128):
+            cfg = TilingTable("none").lookup(tokens, min(tokens, 64), rank, 4096, 14336)
+            assert cfg.mode in ("split", "fused")
+
+
+def test_tune_atmm_model_shapes(tmp_path):
+    assert model_shapes("llama-8b") == [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
+    assert model_shapes("llama-1b") == [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2}))
+    assert model_shapes(str(tmp_path)) == [(256, 256), (256, 64), (256, 688), (688, 256)]
+    with pytest.raises(ValueError):
+        model_shapes("no-such-model")
+    if not HAS_CUDA:
+        assert tune_main(["--model", "llama-1b", "--out", str(tmp_path / "x.json")]) == 2
+
+
+# ---- model-sized cases on a GPU -----------------------------------------------------------
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens,adapters", [(1, 1), (64, 64), (1024, 16), (8192, 64)])
+def test_gpu_atmm_model_shapes_all_candidates(tokens, adapters):
+    dtype, h = torch.bfloat16, 4096
+    ranks = [(8, 16, 32, 64, 128)[i % 5] for i in range(adapters)]
+    pool = make_pool(ranks, h, h, dtype)
+    per = max(1, tokens // adapters)
+    seg_lens = [per] * (tokens // per)
+    seg_lens[-1] += tokens - sum(seg_lens)
+    seg_slots = [i % adapters for i in range(len(seg_lens))]
+    x = torch.randn(tokens, h, device=DEV).to(dtype)
+    y0 = torch.randn(tokens, h, device=DEV).to(dtype)
+    plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
+    ref = atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots)
+    for cfg in tiling.candidate_configs(quick=True):
+        out = atmm(x, y0.clone(), pool, plan, config=cfg)
+        check_rows(out, y0, ref, seg_lens, seg_slots, dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_merge_llama_layer_shapes():
+    shapes = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
+    weights, loras = merge_layers(shapes, 64, torch.bfloat16)
+    originals = [w.clone() for w in weights]
+    plan = plan_merge(weights, loras)
+    merge_lora_(plan)
+    for w, w0, (a, b, s) in zip(weights, originals, loras):
+        ref = merge_ref(w0.clone(), a, b, s)
+        assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
+    unmerge_lora_(plan)
+    for w, w0, (a, b, s) in zip(weights, originals, loras):
+        delta = s * (b.float() @ a.float())
+        assert ((w.float() - w0.float()).abs() <= eps(w.dtype) * (2 * w0.float().abs() + delta.abs()) * 1.01
+                + 1e-6).all()
