@@ -1,0 +1,147 @@
+"""The executor's pure core without sockets: batching rules, priorities, no lockstep, isolation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from base_executor.catalog import UnitTable
+from base_executor.core import CallError, ExecutorCore
+from base_executor.models import build_builtin
+from base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from proto import executor_pb2 as pb
+from proto.codec import dtype_enum
+
+Q = "model.layers.0.self_attn.q_proj"
+K = "model.layers.0.self_attn.k_proj"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_builtin("tiny-llama")
+
+
+def core_for(model, **cfg) -> ExecutorCore:
+    return ExecutorCore(UnitTable(model), torch.float32, torch.device("cpu"), SchedulerConfig(**cfg))
+
+
+def call(core, tenant, unit, tokens, t, latency=pb.TRAINING, op=pb.FORWARD, seed=0):
+    u, in_shape, out_shape, _ = core.check(unit, op, dtype_enum(torch.float32), [tokens, 64])
+    x = torch.randn(in_shape, generator=torch.Generator().manual_seed(seed))
+    return Call(tenant=tenant, call_id=seed, unit=u, op=op, x=x, out_shape=out_shape, latency=latency, arrived=t)
+
+
+def test_waits_for_max_wait_then_batches_all_tenants(model):
+    core = core_for(model, max_wait_us=1000)
+    core.submit(call(core, 1, Q, 3, t=0.0))
+    core.submit(call(core, 2, Q, 5, t=0.0002, seed=1))
+    assert core.step(now=0.0005) == []  # oldest waited 500 us < 1000 us
+    results = core.step(now=0.0011)
+    assert [r.call.tenant for r in results] == [1, 2]
+    assert [tuple(r.y.shape) for r in results] == [(3, 64), (5, 64)]
+    assert core.counters.batches == 1 and core.counters.calls == 2
+
+
+def test_batched_rows_match_each_call_alone(model):
+    core = core_for(model, max_wait_us=0)
+    calls = [call(core, i, Q, n, t=0.0, seed=i) for i, n in enumerate([1, 4, 9])]
+    for c in calls:
+        core.submit(c)
+    results = core.step(now=1.0)
+    unit = core.table.get(Q)
+    for r in results:
+        torch.testing.assert_close(r.y, torch.nn.functional.linear(r.call.x, unit.weight, unit.bias), rtol=1e-6, atol=1e-6)
+
+
+def test_exact_mode_is_bitwise_per_call(model):
+    core = core_for(model, max_wait_us=0, exact=True)
+    calls = [call(core, i, Q, n, t=0.0, seed=i) for i, n in enumerate([1, 4, 9, 33])]
+    for c in calls:
+        core.submit(c)
+    unit = core.table.get(Q)
+    for r in core.step(now=1.0):
+        assert torch.equal(r.y, torch.nn.functional.linear(r.call.x, unit.weight, unit.bias))
+    assert core.counters.batches == 1 and core.counters.calls == 4
+
+
+def test_max_batch_tokens_runs_at_once_and_caps_the_batch(model):
+    core = core_for(model, max_wait_us=10_000_000, max_batch_tokens=8)
+    core.submit(call(core, 1, Q, 5, t=0.0))
+    assert core.step(now=0.001) == []
+    core.submit(call(core, 2, Q, 5, t=0.0))
+    first = core.step(now=0.001)  # 10 tokens queued >= 8: due, but a batch holds at most 8
+    assert [r.call.tenant for r in first] == [1]
+    assert core.scheduler.pending() == 1
+
+
+def test_inference_waits_less_and_goes_first(model):
+    core = core_for(model, max_wait_us=1000, inference_wait_us=10)
+    core.submit(call(core, 1, Q, 4, t=0.0))
+    core.submit(call(core, 2, K, 4, t=0.0001, latency=pb.INFERENCE))
+    results = core.step(now=0.0002)  # only the inference queue is due
+    assert [r.call.tenant for r in results] == [2]
+    core.submit(call(core, 3, K, 4, t=0.0, latency=pb.INFERENCE))
+    results = core.step(now=0.01)  # both due: inference first although the training call is older
+    assert [r.call.tenant for r in results] == [3]
+
+
+def test_no_waiting_when_no_other_call_can_arrive(model):
+    core = core_for(model, max_wait_us=10_000_000)
+    core.submit(call(core, 1, Q, 2, t=0.0))
+    assert core.step(now=0.0, can_grow=True) == []
+    assert len(core.step(now=0.0, can_grow=False)) == 1
+
+
+def test_no_lockstep_between_units(model):
+    """Tenants batched at q_proj are free at k_proj: each is served as soon as its own call is due."""
+    core = core_for(model, max_wait_us=100)
+    core.submit(call(core, 1, Q, 2, t=0.0))
+    core.submit(call(core, 2, Q, 2, t=0.0))
+    assert len(core.step(now=0.001)) == 2
+    core.submit(call(core, 1, K, 2, t=0.002))  # tenant 2 is elsewhere (attention, ...)
+    results = core.step(now=0.0022)
+    assert [r.call.tenant for r in results] == [1]
+
+
+def test_backward_is_input_gradient(model):
+    core = core_for(model, max_wait_us=0)
+    u, in_shape, out_shape, _ = core.check(Q, pb.BACKWARD, dtype_enum(torch.float32), [2, 3, 64])
+    assert in_shape == (6, 64) and out_shape == (2, 3, 64)
+    g = torch.randn(in_shape)
+    core.submit(Call(tenant=1, call_id=1, unit=u, op=pb.BACKWARD, x=g, out_shape=out_shape, latency=0, arrived=0.0))
+    (r,) = core.step(now=1.0)
+    torch.testing.assert_close(r.y, (g @ u.weight).view(out_shape))
+
+
+@pytest.mark.parametrize(
+    "unit,op,dtype,shape,code",
+    [
+        ("model.nope", pb.FORWARD, torch.float32, [1, 64], pb.UNKNOWN_UNIT),
+        (Q, pb.FORWARD, torch.float32, [1, 63], pb.SHAPE_MISMATCH),
+        (Q, pb.FORWARD, torch.bfloat16, [1, 64], pb.DTYPE_MISMATCH),
+        (Q, 42, torch.float32, [1, 64], pb.INVALID_ARGUMENT),
+        (Q, pb.FORWARD, torch.float32, [], pb.INVALID_ARGUMENT),
+        ("model.embed_tokens", pb.BACKWARD, torch.int64, [4], pb.INVALID_ARGUMENT),
+        ("model.embed_tokens", pb.FORWARD, torch.float32, [4], pb.DTYPE_MISMATCH),
+    ],
+)
+def test_check_rejects_with_typed_code(model, unit, op, dtype, shape, code):
+    core = core_for(model)
+    with pytest.raises(CallError) as e:
+        core.check(unit, op, dtype_enum(dtype), shape)
+    assert e.value.code == code
+
+
+def test_drop_tenant_forgets_its_calls(model):
+    core = core_for(model, max_wait_us=0)
+    core.submit(call(core, 1, Q, 2, t=0.0))
+    core.submit(call(core, 2, Q, 2, t=0.0))
+    assert core.scheduler.drop_tenant(1) == 1
+    assert [r.call.tenant for r in core.step(now=1.0)] == [2]
+    assert core.scheduler.pending() == 0 and core.scheduler.waiting_tenants() == 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        SchedulerConfig(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="waits"):
+        Scheduler(SchedulerConfig(max_wait_us=-1))
