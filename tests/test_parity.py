@@ -86,3 +86,19 @@ def test_shim_is_instance_of_replaced_class(executor_for):
     assert isinstance(attn, Conv1D) and isinstance(attn, VirtLayer)
     assert attn.unwrap()["unit"] == "transformer.h.0.attn.c_attn"
     assert isinstance(virt.transformer.wte, torch.nn.Embedding)
+
+
+def test_shim_compiles_in_one_graph(executor):
+    """The shim is a custom op with a fake implementation: dynamo captures it without a graph
+    break, forward and backward, and the compiled layer gives the eager result."""
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    mlp = virt.model.layers[1].mlp  # gate/up/down shims around a local activation
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    (gx,) = torch.autograd.grad(y.square().sum(), x)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = mlp(x2)
+    (gx2,) = torch.autograd.grad(y2.square().sum(), x2)
+    assert torch.equal(y, y2)
+    torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
