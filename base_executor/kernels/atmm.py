@@ -37,8 +37,10 @@ _DTYPES = (torch.bfloat16, torch.float16)
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     # The CPU interpreter multiplies bf16 bit patterns as integers: feed it fp32 there.
     # fp32 operands (fp32 weights in lora_merge) get full fp32 products, not tf32.
-    if UPCAST or a.dtype == tl.float32:
+    if UPCAST:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc

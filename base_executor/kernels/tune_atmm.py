@@ -113,6 +113,9 @@ def tune(shapes: Sequence[tuple[int, int]], *, tokens=TOKENS, adapters=ADAPTERS,
                             row[cfg] = time_us(lambda: atmm(x, y, pool, plan, config=cfg))
                         except Exception as e:  # a tiling this GPU cannot launch: skip it
                             log(f"  skip {cfg.short()} on {cls}: {type(e).__name__}: {str(e)[:120]}")
+                    if not row:
+                        log(f"  no candidate ran on {cls}: left to the nearest class")
+                        continue
                     times[cls] = row
                     best = min(row, key=row.get)
                     log(f"{h_in}x{h_out} tokens={t} adapters={n} rank={r}: best {best.short()} "
@@ -121,14 +124,14 @@ def tune(shapes: Sequence[tuple[int, int]], *, tokens=TOKENS, adapters=ADAPTERS,
     common = [c for c in candidates if all(c in row for row in times.values())]
     def gmean_ratio(c: TileConfig) -> float:
         return math.exp(statistics.fmean(math.log(row[c] / min(row.values())) for row in times.values()))
-    static = min(common, key=gmean_ratio)
+    static = min(common, key=gmean_ratio) if common else None
     entries, timings = {}, {}
     for cls, row in times.items():
         best = min(row, key=row.get)
-        chosen = static if row[static] <= NOISE * row[best] else best
+        chosen = static if static and row[static] <= NOISE * row[best] else best
         entries[cls] = chosen
-        timings[cls] = {"us": round(row[chosen], 2), "static_us": round(row[static], 2),
-                        "best_us": round(row[best], 2)}
+        timings[cls] = {"us": round(row[chosen], 2), "best_us": round(row[best], 2),
+                        **({"static_us": round(row[static], 2)} if static else {})}
     import triton
     meta = {"triton": triton.__version__, "torch": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": len(candidates)}
@@ -161,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                     candidates=candidate_configs(quick=args.quick))
     table.meta["model"] = args.model
     table.save(args.out)
-    print(f"tune-atmm: {len(table.entries)} shape classes for {table.gpu} -> {args.out} "
-          f"(static best {table.static_best.short()})")
+    static = table.static_best.short() if table.static_best else "none"
+    print(f"tune-atmm: {len(table.entries)} shape classes for {table.gpu} -> {args.out} (static best {static})")
     return 0
 
 

@@ -1,0 +1,206 @@
+"""S7: ATMM against a padded torch.bmm reference and a per-adapter matmul loop; the tuned
+tiling table against the best single static tiling; whole-model merge/unmerge on llama-8b.
+
+    python benchmarks/s7_atmm.py [--table PATH] [--out DIR] [--skip-merge]
+
+Hidden 4096 (h_in = h_out), bf16. Every timing is microseconds per call issued back to
+back (launch cost included), median of 5 runs. Writes s7_atmm.json and s7_atmm.png into
+--out (default benchmarks/out) and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from base_executor.kernels.atmm import atmm  # noqa: E402
+from base_executor.kernels.atmm_ref import (  # noqa: E402
+    atmm_loop, atmm_padded_bmm, prepare_loop, prepare_padded)
+from base_executor.kernels.lora_merge import merge_lora_, plan_merge, unmerge_lora_  # noqa: E402
+from base_executor.kernels.tiling import TileConfig, TilingTable, gpu_name  # noqa: E402
+from base_executor.kernels.tune_atmm import MODELS, synthetic_batch, time_us  # noqa: E402
+
+HIDDEN = 4096
+TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+ADAPTERS = (4, 16, 64)
+RANK_MIXES = {"mixed 8-128": (8, 16, 32, 64, 128), "low 8-16": (8, 16), "high 64-128": (64, 128)}
+MERGE_TILES = [(64, 128, 32, 4), (128, 128, 64, 8), (64, 256, 32, 8), (32, 128, 32, 4)]
+
+
+def rel_delta_err(out, ref, y0) -> float:
+    d, r = out.float() - y0.float(), ref.float() - y0.float()
+    return ((d - r).norm() / r.norm()).item()
+
+
+def bench_atmm(table: TilingTable, log) -> list[dict]:
+    static = table.static_best
+    rows = []
+    for mix, ranks in RANK_MIXES.items():
+        for t in TOKENS:
+            for n in sorted({min(a, t) for a in ADAPTERS}):
+                x, y, pool, plan, seg_lens, seg_slots = synthetic_batch(t, n, ranks, HIDDEN, HIDDEN, torch.bfloat16)
+                pb, lb = prepare_padded(pool, seg_lens, seg_slots), prepare_loop(pool, seg_lens, seg_slots)
+                tuned = table.lookup(plan.num_active, plan.num_adapters, plan.max_rank, HIDDEN, HIDDEN)
+                y0 = y.clone()
+                err = rel_delta_err(atmm(x, y0.clone(), pool, plan, table=table),
+                                    atmm_padded_bmm(x, y0.clone(), pb), y0)
+                row = {"ranks": mix, "tokens": t, "adapters": n, "max_rank": plan.max_rank,
+                       "tuned_config": tuned.short(), "static_config": static.short() if static else None,
+                       "rel_err_vs_padded": err,
+                       "padded_us": time_us(lambda: atmm_padded_bmm(x, y, pb)),
+                       "loop_us": time_us(lambda: atmm_loop(x, y, lb)),
+                       "atmm_us": time_us(lambda: atmm(x, y, pool, plan, table=table))}
+                row["static_us"] = (time_us(lambda: atmm(x, y, pool, plan, config=static))
+                                    if static and static != tuned else row["atmm_us"])
+                row["vs_padded"] = row["padded_us"] / row["atmm_us"]
+                row["vs_loop"] = row["loop_us"] / row["atmm_us"]
+                row["tuned_vs_static"] = row["static_us"] / row["atmm_us"]
+                rows.append(row)
+                log(f"{mix:12s} T={t:5d} n={n:2d}  atmm {row['atmm_us']:8.1f}  padded {row['padded_us']:8.1f}  "
+                    f"loop {row['loop_us']:8.1f}  static {row['static_us']:8.1f}  x{row['vs_padded']:.2f} "
+                    f"err {err:.1e} [{tuned.short()}]")
+    return rows
+
+
+def llama8b_layers(targets: list[str], rank: int):
+    """Random bf16 weights of llama-8b's 32 layers for `targets`, and a rank-`rank` adapter on them."""
+    m = MODELS["llama-8b"]
+    h, inter, kv = m["hidden_size"], m["intermediate_size"], m["hidden_size"] // 4
+    shape = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (inter, h), "up": (inter, h),
+             "down": (h, inter)}
+    weights, loras = [], []
+    for _ in range(32):
+        for name in targets:
+            n_out, n_in = shape[name]
+            weights.append(torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16))
+            loras.append((torch.randn(rank, n_in, device="cuda", dtype=torch.bfloat16) * 0.01,
+                          torch.randn(n_out, rank, device="cuda", dtype=torch.bfloat16) * 0.01, 2.0))
+    return weights, loras
+
+
+def time_events_ms(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
+def bench_merge(log) -> list[dict]:
+    rows = []
+    for label, targets in (("q,k,v,o", ["q", "k", "v", "o"]), ("all linear", ["q", "k", "v", "o", "gate", "up", "down"])):
+        weights, loras = llama8b_layers(targets, 64)
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        floor_ms = 2 * nbytes / 3.0e12 * 1e3  # read + write every weight once at ~3.0 TB/s (H100)
+        for bm, bn, br, warps in MERGE_TILES:
+            plan = plan_merge(weights, loras, block_m=bm, block_n=bn, block_r=br, num_warps=warps)
+            m = time_events_ms(lambda: merge_lora_(plan))
+            u = time_events_ms(lambda: unmerge_lora_(plan))
+            rows.append({"targets": label, "layers": len(weights), "weight_GB": nbytes / 1e9, "floor_ms": floor_ms,
+                         "tile": f"{bm}x{bn}x{br}w{warps}", "merge_ms": m, "unmerge_ms": u})
+            log(f"merge {label:10s} {bm}x{bn}x{br}w{warps}: merge {m:.2f} ms, unmerge {u:.2f} ms "
+                f"(floor {floor_ms:.2f} ms, {2 * nbytes / m / 1e9:.0f} GB/s)")
+        def loop():  # dLoRA-style: one addmm per layer
+            for w, (a, b, s) in zip(weights, loras):
+                w.addmm_(b, a, alpha=s)
+        rows.append({"targets": label, "layers": len(weights), "weight_GB": nbytes / 1e9, "floor_ms": floor_ms,
+                     "tile": "torch addmm_ per layer", "merge_ms": time_events_ms(loop, reps=5), "unmerge_ms": None})
+        log(f"merge {label:10s} per-layer addmm_: {rows[-1]['merge_ms']:.2f} ms")
+        del weights, loras
+        torch.cuda.empty_cache()
+    return rows
+
+
+def launch_probe() -> dict:
+    a = torch.randn(16, device="cuda")
+    x, y, pool, plan, _, _ = synthetic_batch(1, 1, [16], HIDDEN, HIDDEN, torch.bfloat16)
+    cfg = TileConfig(mode="fused", block_m=16, block_k=128, block_n=64, split=16)
+    cfg2 = TileConfig(mode="split", block_m=16, block_k=128, block_n=128, split=4)
+    return {"torch_add_us": time_us(lambda: torch.add(a, a)),
+            "atmm_fused_T1_us": time_us(lambda: atmm(x, y, pool, plan, config=cfg)),
+            "atmm_split_T1_us": time_us(lambda: atmm(x, y, pool, plan, config=cfg2))}
+
+
+def plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(RANK_MIXES), figsize=(5 * len(RANK_MIXES), 4), sharey=True)
+    for ax, mix in zip(axes, RANK_MIXES):
+        for n in ADAPTERS:
+            pts = sorted((r["tokens"], r["vs_padded"]) for r in rows
+                         if r["ranks"] == mix and r["adapters"] == min(n, r["tokens"]))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{n} adapters")
+        ax.axhline(2.0, color="gray", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"ranks {mix}")
+        ax.set_xlabel("tokens")
+    axes[0].set_ylabel("speed-up over padded torch.bmm")
+    axes[0].legend()
+    fig.suptitle(f"S7 ATMM, hidden {HIDDEN}, bf16, {gpu_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--table", default=None, help="tiling table from tune-atmm (default: the user cache)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    p.add_argument("--skip-merge", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = TilingTable.load(args.table)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.time()
+    result = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu_name(), "torch": torch.__version__,
+              "table": args.table, "table_entries": len(table.entries),
+              "static_best": table.static_best.short() if table.static_best else None,
+              "launch": launch_probe()}
+    log(f"launch probe: {result['launch']}")
+    rows = bench_atmm(table, log)
+    result["atmm"] = rows
+    if not args.skip_merge:
+        result["merge"] = bench_merge(log)
+    result["seconds"] = time.time() - t0
+    (out / "s7_atmm.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / "s7_atmm.png")
+
+    gm = lambda v: math.exp(statistics.fmean(math.log(x) for x in v))  # noqa: E731
+    print(f"\nS7 ATMM on {result['gpu']} (hidden {HIDDEN}, bf16), us per call, launch included")
+    print(f"{'ranks':12s} {'T':>5s} {'n':>3s} {'atmm':>8s} {'padded':>8s} {'loop':>8s} {'static':>8s} "
+          f"{'x pad':>6s} {'x loop':>6s} {'x stat':>6s}")
+    for r in rows:
+        print(f"{r['ranks']:12s} {r['tokens']:5d} {r['adapters']:3d} {r['atmm_us']:8.1f} {r['padded_us']:8.1f} "
+              f"{r['loop_us']:8.1f} {r['static_us']:8.1f} {r['vs_padded']:6.2f} {r['vs_loop']:6.2f} "
+              f"{r['tuned_vs_static']:6.2f}")
+    print(f"min x padded {min(r['vs_padded'] for r in rows):.2f}, geomean {gm([r['vs_padded'] for r in rows]):.2f}; "
+          f"min tuned/static speed-up {min(r['tuned_vs_static'] for r in rows):.2f}")
+    for r in result.get("merge", []):
+        u = f"{r['unmerge_ms']:.2f}" if r["unmerge_ms"] is not None else "-"
+        print(f"merge {r['targets']:10s} {r['tile']:22s} merge {r['merge_ms']:.2f} ms unmerge {u} ms "
+              f"(floor {r['floor_ms']:.2f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
