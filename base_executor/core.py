@@ -109,31 +109,27 @@ class ExecutorCore:
         calls = self.scheduler.pop_batch(now, can_grow)
         if not calls:
             return []
-        if self.scheduler.config.exact and len(calls) > 1:
-            self.counters.batches += 1 - len(calls)  # one batch, run as len(calls) GEMMs
-            return [r for c in calls for r in self._run_alone(c)]
-        unit, op = calls[0].unit, calls[0].op
+        groups = [[c] for c in calls] if self.scheduler.config.exact else [calls]
+        results = [r for group in groups for r in self._run(group)]
+        served = [r.call for r in results if r.error is None]
+        if served:
+            self._count(served)
+        return results
+
+    def _run(self, calls: list[Call]) -> list[Result]:
+        """One GEMM over the calls' rows, split back per call."""
         x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
         try:
-            y = runner.run(unit, op, x)
+            y = runner.run(calls[0].unit, calls[0].op, x)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1:
-                return [r for c in calls for r in self._run_alone(c)]
+                return [r for c in calls for r in self._run([c])]
             return self._fail(calls, e)
-        self._count(unit, calls)
         results, start = [], 0
         for c in calls:
             results.append(Result(c, y[start : start + c.tokens].view(c.out_shape)))
             start += c.tokens
         return results
-
-    def _run_alone(self, call: Call) -> list[Result]:
-        try:
-            y = runner.run(call.unit, call.op, call.x)
-        except Exception as e:
-            return self._fail([call], e)
-        self._count(call.unit, [call])
-        return [Result(call, y.view(call.out_shape))]
 
     def _fail(self, calls: list[Call], e: Exception) -> list[Result]:
         log.exception("running %s failed", calls[0].unit.id)
@@ -141,7 +137,8 @@ class ExecutorCore:
         err = CallError(pb.INTERNAL, f"{type(e).__name__}: {e}")
         return [Result(c, None, err) for c in calls]
 
-    def _count(self, unit: Unit, calls: list[Call]) -> None:
+    def _count(self, calls: list[Call]) -> None:
+        unit = calls[0].unit
         n = sum(c.tokens for c in calls)
         k = self.counters
         k.calls += len(calls)
