@@ -63,7 +63,9 @@ class UnitTable:
             kind = unit_kind(module)
             if kind is None:
                 continue
-            w = module.weight.detach()
+            tied = owner_of.setdefault(id(module.weight), path)
+            # a tied unit shares its owner's tensor object, so moving or counting dedupes it
+            w = module.weight.detach() if tied == path else self.units[tied].weight
             b = getattr(module, "bias", None)
             if kind == LINEAR:
                 d_out, d_in = w.shape
@@ -71,7 +73,6 @@ class UnitTable:
                 d_in, d_out = w.shape
             else:
                 d_in, d_out = w.shape
-            tied = owner_of.setdefault(id(module.weight), path)
             self.units[path] = Unit(
                 id=path,
                 kind=kind,

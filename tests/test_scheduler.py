@@ -145,3 +145,12 @@ def test_config_validation():
         SchedulerConfig(max_batch_tokens=0)
     with pytest.raises(ValueError, match="waits"):
         Scheduler(SchedulerConfig(max_wait_us=-1))
+
+
+def test_tied_weights_are_one_tensor():
+    table = UnitTable(build_builtin("tiny-qwen2"))
+    head, embed = table.get("lm_head"), table.get("model.embed_tokens")
+    assert head.tied_to == "model.embed_tokens" and head.weight is embed.weight
+    assert table.parameter_count() == sum(
+        p.numel() for n, p in build_builtin("tiny-qwen2").named_parameters() if n.endswith(("proj.weight", "proj.bias", "embed_tokens.weight"))
+    )
