@@ -22,23 +22,52 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from base_executor.kernels import atmm as atmm_mod  # noqa: E402
 from base_executor.kernels.atmm import atmm  # noqa: E402
 from base_executor.kernels.atmm_ref import (  # noqa: E402
     atmm_loop, atmm_padded_bmm, prepare_loop, prepare_padded)
 from base_executor.kernels.lora_merge import merge_lora_, plan_merge, unmerge_lora_  # noqa: E402
 from base_executor.kernels.tiling import TileConfig, TilingTable, gpu_name  # noqa: E402
-from base_executor.kernels.tune_atmm import MODELS, synthetic_batch, time_us  # noqa: E402
+from base_executor.kernels.tune_atmm import MODELS, compare_us, synthetic_batch, time_us  # noqa: E402
 
 HIDDEN = 4096
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (4, 16, 64)
 RANK_MIXES = {"mixed 8-128": (8, 16, 32, 64, 128), "low 8-16": (8, 16), "high 64-128": (64, 128)}
-MERGE_TILES = [(64, 128, 32, 4), (128, 128, 64, 8), (64, 256, 32, 8), (32, 128, 32, 4)]
+MERGE_TILES = [(64, 256, 32, 8), (64, 128, 32, 4), (128, 256, 64, 8), (32, 256, 32, 4)]
 
 
 def rel_delta_err(out, ref, y0) -> float:
     d, r = out.float() - y0.float(), ref.float() - y0.float()
     return ((d - r).norm() / r.norm()).item()
+
+
+def graph_us(fn, calls: int = 20, replays: int = 5) -> float | None:
+    """GPU time per call: `calls` calls captured in a CUDA graph, replays timed with events."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(replays):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            torch.cuda.synchronize()
+            out.append(s.elapsed_time(e) * 1e3 / calls)
+        return statistics.median(out)
+    except Exception as e:  # report, do not stop the run
+        print(f"graph capture failed: {type(e).__name__}: {e}")
+        return None
 
 
 def bench_atmm(table: TilingTable, log) -> list[dict]:
@@ -53,21 +82,28 @@ def bench_atmm(table: TilingTable, log) -> list[dict]:
                 y0 = y.clone()
                 err = rel_delta_err(atmm(x, y0.clone(), pool, plan, table=table),
                                     atmm_padded_bmm(x, y0.clone(), pb), y0)
+                run_tuned = lambda: atmm(x, y, pool, plan, table=table)  # noqa: E731
+                run_padded = lambda: atmm_padded_bmm(x, y, pb)  # noqa: E731
                 row = {"ranks": mix, "tokens": t, "adapters": n, "max_rank": plan.max_rank,
                        "tuned_config": tuned.short(), "static_config": static.short() if static else None,
                        "rel_err_vs_padded": err,
-                       "padded_us": time_us(lambda: atmm_padded_bmm(x, y, pb)),
+                       "padded_us": time_us(run_padded),
                        "loop_us": time_us(lambda: atmm_loop(x, y, lb)),
-                       "atmm_us": time_us(lambda: atmm(x, y, pool, plan, table=table))}
-                row["static_us"] = (time_us(lambda: atmm(x, y, pool, plan, config=static))
-                                    if static and static != tuned else row["atmm_us"])
+                       "atmm_us": time_us(run_tuned),
+                       "atmm_gpu_us": graph_us(run_tuned),
+                       "padded_gpu_us": graph_us(run_padded)}
+                if static and static != tuned:  # interleaved, so drift cannot favour either
+                    both = compare_us({"tuned": run_tuned, "static": lambda: atmm(x, y, pool, plan, config=static)})
+                    row["tuned_vs_static"] = both["static"] / both["tuned"]
+                else:
+                    row["tuned_vs_static"] = 1.0
                 row["vs_padded"] = row["padded_us"] / row["atmm_us"]
                 row["vs_loop"] = row["loop_us"] / row["atmm_us"]
-                row["tuned_vs_static"] = row["static_us"] / row["atmm_us"]
                 rows.append(row)
-                log(f"{mix:12s} T={t:5d} n={n:2d}  atmm {row['atmm_us']:8.1f}  padded {row['padded_us']:8.1f}  "
-                    f"loop {row['loop_us']:8.1f}  static {row['static_us']:8.1f}  x{row['vs_padded']:.2f} "
-                    f"err {err:.1e} [{tuned.short()}]")
+                log(f"{mix:12s} T={t:5d} n={n:2d}  atmm {row['atmm_us']:8.1f} (gpu {row['atmm_gpu_us'] or 0:7.1f})  "
+                    f"padded {row['padded_us']:8.1f} (gpu {row['padded_gpu_us'] or 0:7.1f})  loop {row['loop_us']:8.1f}"
+                    f"  x{row['vs_padded']:.2f}  tuned/static x{row['tuned_vs_static']:.2f}  err {err:.1e} "
+                    f"[{tuned.short()}]")
     return rows
 
 
@@ -127,13 +163,19 @@ def bench_merge(log) -> list[dict]:
 
 
 def launch_probe() -> dict:
+    """Issue cost of one call: a torch op, and ATMM at 1 token through Triton's JIT and the fast path."""
     a = torch.randn(16, device="cuda")
     x, y, pool, plan, _, _ = synthetic_batch(1, 1, [16], HIDDEN, HIDDEN, torch.bfloat16)
-    cfg = TileConfig(mode="fused", block_m=16, block_k=128, block_n=64, split=16)
-    cfg2 = TileConfig(mode="split", block_m=16, block_k=128, block_n=128, split=4)
-    return {"torch_add_us": time_us(lambda: torch.add(a, a)),
-            "atmm_fused_T1_us": time_us(lambda: atmm(x, y, pool, plan, config=cfg)),
-            "atmm_split_T1_us": time_us(lambda: atmm(x, y, pool, plan, config=cfg2))}
+    fused = TileConfig(mode="fused", block_m=16, block_k=128, block_n=64, split=16)
+    split = TileConfig(mode="split", block_m=16, block_k=128, block_n=128, split=4)
+    out = {"torch_add_us": time_us(lambda: torch.add(a, a))}
+    for fast in (False, True):
+        atmm_mod._Launcher.enabled = fast
+        tag = "fast" if fast else "jit"
+        out[f"atmm_fused_T1_{tag}_us"] = time_us(lambda: atmm(x, y, pool, plan, config=fused))
+        out[f"atmm_split_T1_{tag}_us"] = time_us(lambda: atmm(x, y, pool, plan, config=split))
+    out["fast_path_enabled"] = atmm_mod._Launcher.enabled
+    return out
 
 
 def plot(rows, path: Path) -> None:
@@ -187,12 +229,13 @@ def main(argv=None) -> int:
 
     gm = lambda v: math.exp(statistics.fmean(math.log(x) for x in v))  # noqa: E731
     print(f"\nS7 ATMM on {result['gpu']} (hidden {HIDDEN}, bf16), us per call, launch included")
-    print(f"{'ranks':12s} {'T':>5s} {'n':>3s} {'atmm':>8s} {'padded':>8s} {'loop':>8s} {'static':>8s} "
-          f"{'x pad':>6s} {'x loop':>6s} {'x stat':>6s}")
+    print(f"{'ranks':12s} {'T':>5s} {'n':>3s} {'atmm':>7s} {'padded':>7s} {'loop':>7s} {'x pad':>6s} "
+          f"{'x loop':>6s} {'x stat':>6s} {'gpu atmm':>8s} {'gpu pad':>8s}")
+    f = lambda v: f"{v:8.1f}" if v is not None else "       -"  # noqa: E731
     for r in rows:
-        print(f"{r['ranks']:12s} {r['tokens']:5d} {r['adapters']:3d} {r['atmm_us']:8.1f} {r['padded_us']:8.1f} "
-              f"{r['loop_us']:8.1f} {r['static_us']:8.1f} {r['vs_padded']:6.2f} {r['vs_loop']:6.2f} "
-              f"{r['tuned_vs_static']:6.2f}")
+        print(f"{r['ranks']:12s} {r['tokens']:5d} {r['adapters']:3d} {r['atmm_us']:7.1f} {r['padded_us']:7.1f} "
+              f"{r['loop_us']:7.1f} {r['vs_padded']:6.2f} {r['vs_loop']:6.2f} {r['tuned_vs_static']:6.2f} "
+              f"{f(r['atmm_gpu_us'])} {f(r['padded_gpu_us'])}")
     print(f"min x padded {min(r['vs_padded'] for r in rows):.2f}, geomean {gm([r['vs_padded'] for r in rows]):.2f}; "
           f"min tuned/static speed-up {min(r['tuned_vs_static'] for r in rows):.2f}")
     for r in result.get("merge", []):

@@ -222,7 +222,7 @@ def test_merge_then_unmerge_restores_weights(dtype):
     ew, el = merge_layers(even, 8, torch.bfloat16)
     originals_even = [w.clone() for w in ew]
     eplan = plan_merge(ew, el, block_m=32, block_n=32, block_r=16)
-    assert eplan.even and eplan.aligned
+    assert eplan.even and eplan.align == 8  # 16-byte rows: vectorised path
     refs = [merge_ref(w.clone(), a, b, s) for w, (a, b, s) in zip(ew, el)]
     merge_lora_(eplan)
     for w, ref, w0, (a, b, s) in zip(ew, refs, originals_even, el):
@@ -326,6 +326,28 @@ def test_gpu_atmm_model_shapes_all_candidates(tokens, adapters):
     for cfg in tiling.candidate_configs(quick=True):
         out = atmm(x, y0.clone(), pool, plan, config=cfg)
         check_rows(out, y0, ref, seg_lens, seg_slots, dtype)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fast_launch_reuses_only_matching_specialisation():
+    """Repeat launches skip Triton's binder; a misaligned output slice gets its own kernel."""
+    from base_executor.kernels import atmm as atmm_mod
+    dtype, ranks = torch.bfloat16, [16, 128, 8]
+    pool = make_pool(ranks, 256, 192, dtype)
+    seg_lens, seg_slots = [5, 9, 2], [0, 1, 2]
+    plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
+    cfg = TileConfig(mode="fused", block_m=16, block_k=64, block_n=64, split=2)
+    before = len(atmm_mod._launch_fused.compiled)
+    for offset in (0, 0, 1, 1, 0):  # a column offset of 1 element breaks 16-byte alignment
+        x = torch.randn(16, 256, device=DEV).to(dtype)
+        wide = torch.randn(16, 200, device=DEV).to(dtype)
+        y0 = wide[:, offset:offset + 192].clone()
+        atmm(x, wide[:, offset:offset + 192], pool, plan, config=cfg)
+        ref = atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots)
+        check_rows(wide[:, offset:offset + 192], y0, ref, seg_lens, seg_slots, dtype)
+    assert atmm_mod._Launcher.enabled
+    assert len(atmm_mod._launch_fused.compiled) - before == 2
 
 
 @gpu

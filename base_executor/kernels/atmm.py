@@ -161,6 +161,51 @@ def _atmm_fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, tok_ptr, tile_ptr, slot_rows_
 # Host side: adapter pool, segment plan, launcher.
 
 
+def _ptr_spec(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _int_spec(v: int) -> int:
+    # What Triton specialises an int argument on: == 1, divisible by 16, or neither.
+    assert -2 ** 31 <= v < 2 ** 31, "int arguments must fit int32"
+    return 0 if v == 1 else 1 if v % 16 == 0 else 2
+
+
+class _Launcher:
+    """Launches a @triton.jit kernel; repeats of a known specialisation skip Triton's binder.
+
+    The JIT path costs tens of microseconds of Python per launch. The first launch for a
+    `key` goes through it and keeps the compiled kernel; later launches with the same key
+    call that kernel directly. Callers build `key` from everything Triton specialises on
+    (constexprs, dtypes, 16-byte alignment of pointers, int arguments == 1 or % 16), so a
+    cached kernel is only reused where the JIT would have picked the same one.
+    """
+
+    enabled = True
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, key, grid: tuple[int, int, int], args: tuple, num_warps: int, num_stages: int) -> None:
+        if key is not None and _Launcher.enabled:
+            kernel = self.compiled.get(key)
+            if kernel is not None:
+                try:
+                    kernel[grid](*args)
+                    return
+                except TypeError:  # a Triton whose compiled-kernel launcher wants other arguments
+                    _Launcher.enabled = False
+        kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        if key is not None and kernel is not None:
+            self.compiled[key] = kernel
+
+
+_launch_shrink = _Launcher(_atmm_shrink_kernel)
+_launch_expand = _Launcher(_atmm_expand_kernel)
+_launch_fused = _Launcher(_atmm_fused_kernel)
+
+
 @dataclass(frozen=True, eq=False)
 class LoraPool:
     """Adapter weights of one module kind (one h_in -> h_out projection), paged by rank row.
@@ -192,6 +237,8 @@ class LoraPool:
             raise TypeError(f"scale must be float32 [{sr.shape[0]}]")
         if len({t.device for t in (a, b, sr, self.rank, self.scale)}) != 1:
             raise ValueError("all pool tensors must be on one device")
+        object.__setattr__(self, "spec", (a.dtype, a.device, *(_ptr_spec(t) for t in (a, b, sr, self.rank, self.scale)),
+                                          *(_int_spec(v) for v in (a.stride(0), b.stride(0), sr.stride(0)))))
 
     @property
     def h_in(self) -> int:
@@ -275,17 +322,18 @@ def plan_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], slot_ranks:
     order = active[np.argsort(tok_slot[active], kind="stable")]         # rows grouped by slot
     used, first, counts = np.unique(tok_slot[order], return_index=True, return_counts=True)
     max_rank = int(ranks[used].max()) if used.size else 0
-    parts, tiles_at, n_tiles = [order], {}, {}
-    offset = order.size
+    pad = lambda a: np.concatenate([a, np.zeros(-a.size % 4, a.dtype)])  # noqa: E731  16-byte aligned parts
+    parts, tiles_at = [pad(order)], {}
+    offset = parts[0].size
     for bm in BLOCK_MS:
         nt = -(-counts // bm)                                           # tiles per slot
         within = np.arange(nt.sum()) - np.repeat(np.cumsum(nt) - nt, nt)
         t_first = np.repeat(first, nt) + within * bm
         t_count = np.minimum(bm, np.repeat(first + counts, nt) - t_first)
         tab = np.stack([np.repeat(used, nt), t_first, t_count], axis=1).reshape(-1)
-        parts.append(tab)
+        parts.append(pad(tab))
         tiles_at[bm] = (offset, int(nt.sum()))
-        offset += tab.size
+        offset += parts[-1].size
     meta = torch.from_numpy(np.concatenate(parts).astype(np.int32)).to(device)  # one copy
     block_r = block_r_for(max_rank) if used.size else 16
     ws_split = max(1, min(8, 16384 // max(1, order.size)))
@@ -330,25 +378,25 @@ def atmm(x: torch.Tensor, y: torch.Tensor, pool: LoraPool, plan: SegmentPlan, *,
     tiles, n_tiles = plan.tiles[bm], plan.n_tiles[bm]
     upcast = x.device.type != "cuda"
     even_k = h_in % bk == 0
+    sx, sy = x.stride(0), y.stride(0)
+    key = None if upcast else (config, br, pool.spec, _ptr_spec(x), _ptr_spec(y), _int_spec(sx), _int_spec(sy),
+                               _int_spec(h_in), _int_spec(h_out))
+    a, b = pool.a_rows, pool.b_rows
     if config.mode == "fused":
         split_n = min(config.split, triton.cdiv(h_out, bn))
-        _atmm_fused_kernel[(n_tiles, split_n)](
-            x, pool.a_rows, pool.b_rows, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
-            h_in, h_out, x.stride(0), pool.a_rows.stride(0), pool.b_rows.stride(0), y.stride(0),
-            pool.slot_rows.stride(0), scale_mult,
-            BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, EVEN_K=even_k, UPCAST=upcast,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        _launch_fused(key, (n_tiles, split_n, 1), (
+            x, a, b, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
+            h_in, h_out, sx, a.stride(0), b.stride(0), sy, pool.slot_rows.stride(0), scale_mult,
+            bm, bk, bn, br, even_k, upcast), config.num_warps, config.num_stages)
         return y
     split_k = min(config.split, plan.ws_split, triton.cdiv(h_in, bk))
     # ws: [split_k, num_active, block_r] fp32 partial sums of x @ A^T
-    _atmm_shrink_kernel[(n_tiles, split_k)](
-        x, pool.a_rows, plan.workspace, plan.token_index, tiles, pool.slot_rows, pool.rank,
-        h_in, plan.num_active, x.stride(0), pool.a_rows.stride(0), pool.slot_rows.stride(0),
-        BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br, EVEN_K=even_k, UPCAST=upcast,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    _atmm_expand_kernel[(n_tiles, triton.cdiv(h_out, bn))](
-        plan.workspace, pool.b_rows, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
-        h_out, plan.num_active, split_k, pool.b_rows.stride(0), y.stride(0), pool.slot_rows.stride(0),
-        scale_mult, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, UPCAST=upcast,
-        num_warps=config.num_warps, num_stages=2)
+    _launch_shrink(key, (n_tiles, split_k, 1), (
+        x, a, plan.workspace, plan.token_index, tiles, pool.slot_rows, pool.rank,
+        h_in, plan.num_active, sx, a.stride(0), pool.slot_rows.stride(0),
+        bm, bk, br, even_k, upcast), config.num_warps, config.num_stages)
+    _launch_expand(key, (n_tiles, triton.cdiv(h_out, bn), 1), (
+        plan.workspace, b, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
+        h_out, plan.num_active, split_k, b.stride(0), sy, pool.slot_rows.stride(0), scale_mult,
+        bm, bn, br, upcast), config.num_warps, 2)
     return y

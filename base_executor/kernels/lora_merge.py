@@ -23,29 +23,30 @@ import triton.language as tl
 from .atmm import LoraPool, SegmentPlan, _mma, atmm, plan_segments
 from .tiling import TilingTable
 
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _merge_kernel(table_ptr, scale_ptr, sign,
-                  DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  ADDR_ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
     # grid: (max tiles of one matrix, matrices); program (p, i) updates tile p of matrix i:
-    # W_i[m, n] += sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
+    #   W_i[m, n] += sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
+    # Matrices are addressed as element offsets from base_ptr (one of the weights), so the
+    # ALIGN hint (offsets and row strides are multiples of ALIGN elements, checked by
+    # plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
     pid = tl.program_id(0)
     row = table_ptr + tl.program_id(1) * 10
     n_out = tl.load(row + 3)
     n_in = tl.load(row + 4)
     tiles_n = tl.cdiv(n_in, BLOCK_N)
     if pid < tl.cdiv(n_out, BLOCK_M) * tiles_n:
-        # Hints: W and A rows start on 16-byte boundaries (checked by plan_merge), so the
-        # compiler may use 16-byte loads along a row.
-        w_ptr = tl.multiple_of(tl.load(row + 0), ADDR_ALIGN).to(tl.pointer_type(DTYPE))
-        a_ptr = tl.multiple_of(tl.load(row + 1), ADDR_ALIGN).to(tl.pointer_type(DTYPE))
-        b_ptr = tl.load(row + 2).to(tl.pointer_type(DTYPE))
+        w_ptr = base_ptr + tl.multiple_of(tl.load(row + 0), ALIGN)
+        a_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
+        b_ptr = base_ptr + tl.load(row + 2)
         rank = tl.load(row + 5)
-        stride_w = tl.multiple_of(tl.load(row + 6), ROW_ALIGN)
-        stride_a = tl.multiple_of(tl.load(row + 7), ROW_ALIGN)
+        stride_w = tl.multiple_of(tl.load(row + 6), ALIGN)
+        stride_a = tl.multiple_of(tl.load(row + 7), ALIGN)
         stride_bo = tl.load(row + 8)
         stride_br = tl.load(row + 9)
         offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,31 +57,35 @@ def _merge_kernel(table_ptr, scale_ptr, sign,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r_ok = (r0 + offs_r) < rank
-            bt = tl.load(b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br,
-                         mask=m_ok[:, None] & r_ok[None, :], other=0.0)            # [BM, BR]
-            at = tl.load(a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)            # [BR, BN]
+            b_ptrs = b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br  # [BM, BR]
+            a_ptrs = a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :]               # [BR, BN]
+            if EVEN:  # no column mask: keeps A's row loads 16 bytes wide
+                bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+            else:
+                bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = _mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + tl.program_id(1)) * sign
         w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
         if EVEN:
             wt = tl.load(w_ptrs).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(DTYPE))
+            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
         else:
             mask = m_ok[:, None] & n_ok[None, :]
             wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(DTYPE), mask=mask)
+            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
 class MergePlan:
     """All layers of one adapter, ready to be merged or unmerged in one launch."""
 
-    table: torch.Tensor   # [layers, 10] int64: w, a, b addresses; out, in, rank; strides w, a, b_out, b_r
+    base: torch.Tensor    # weights[0]; the table's offsets count elements from its first one
+    table: torch.Tensor   # [layers, 10] int64: w, a, b offsets; out, in, rank; strides w, a, b_out, b_r
     scales: torch.Tensor  # [layers] float32
     max_tiles: int
-    dtype: torch.dtype
-    aligned: bool
+    align: int            # every W/A offset and row stride is a multiple of this many elements
     even: bool
     block_m: int
     block_n: int
@@ -101,9 +106,11 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     if len(weights) != len(loras) or not weights:
         raise ValueError(f"need one (A, B, scale) per weight: {len(weights)} weights, {len(loras)} adapters")
     dtype, dev = weights[0].dtype, weights[0].device
-    if dtype not in _TL_DTYPE:
+    if dtype not in _DTYPES:
         raise TypeError(f"weights must be bf16, fp16 or fp32, got {dtype}")
-    rows, scales, tiles, aligned, even = [], [], 0, True, True
+    base = weights[0]
+    es = base.element_size()
+    rows, scales, tiles, even = [], [], 0, True
     for i, (w, (a, b, scale)) in enumerate(zip(weights, loras)):
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
             raise ValueError(f"layer {i}: weight, A and B must be 2-D")
@@ -116,25 +123,28 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
             raise TypeError(f"layer {i}: weights, A and B must share dtype {dtype} and device {dev}")
         if w.stride(1) != 1 or a.stride(1) != 1:
             raise ValueError(f"layer {i}: W and A must be contiguous along the input dimension")
-        aligned &= all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (w, a))
+        offs = [(t.data_ptr() - base.data_ptr()) for t in (w, a, b)]
+        if any(o % es for o in offs):
+            raise ValueError(f"layer {i}: tensors are not aligned to their element size")
         even &= n_out % block_m == 0 and n_in % block_n == 0
-        rows.append([w.data_ptr(), a.data_ptr(), b.data_ptr(), n_out, n_in, r,
+        rows.append([offs[0] // es, offs[1] // es, offs[2] // es, n_out, n_in, r,
                      w.stride(0), a.stride(0), b.stride(0), b.stride(1)])
         scales.append(float(scale))
         tiles = max(tiles, triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
+    # 16-byte alignment of W/A rows (in elements), if every offset and stride allows it
+    align = 16 // es
+    if any(v % align for row in rows for v in (row[0], row[1], row[6], row[7])) or base.data_ptr() % 16:
+        align = 1
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
     keep = tuple(weights) + tuple(t for a, b, _ in loras for t in (a, b))
-    return MergePlan(table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, dtype, aligned, even,
+    return MergePlan(base, table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, align, even,
                      block_m, block_n, block_r, num_warps, keep)
 
 
 def _apply(plan: MergePlan, sign: float) -> None:
-    upcast = plan.table.device.type != "cuda"
-    es = plan.dtype.itemsize
     _merge_kernel[(plan.max_tiles, plan.table.shape[0])](
-        plan.table, plan.scales, sign, DTYPE=_TL_DTYPE[plan.dtype], BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, BLOCK_R=plan.block_r, ADDR_ALIGN=16 if plan.aligned else 1,
-        ROW_ALIGN=16 // es if plan.aligned else 1, EVEN=plan.even, UPCAST=upcast,
+        plan.base, plan.table, plan.scales, sign, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_R=plan.block_r, ALIGN=plan.align, EVEN=plan.even, UPCAST=plan.base.device.type != "cuda",
         num_warps=plan.num_warps)
 
 
