@@ -147,7 +147,7 @@ def main() -> int:
         for role in ("finetune", "generate"):
             cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--executor", url, "--steps", str(a.steps)]
             tenants[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"})
         relays = [threading.Thread(target=_relay, args=(proc, role)) for role, proc in tenants.items()]
         for t in relays:
             t.start()
