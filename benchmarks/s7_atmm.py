@@ -34,7 +34,7 @@ HIDDEN = 4096
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (4, 16, 64)
 RANK_MIXES = {"mixed 8-128": (8, 16, 32, 64, 128), "low 8-16": (8, 16), "high 64-128": (64, 128)}
-MERGE_TILES = [(64, 256, 32, 8), (64, 128, 32, 4), (128, 256, 64, 8), (32, 256, 32, 4)]
+MERGE_TILES = [(32, 256, 32, 4, 1), (64, 256, 32, 8, 1), (32, 256, 32, 4, 2), (64, 128, 32, 4, 1)]
 
 
 def rel_delta_err(out, ref, y0) -> float:
@@ -143,14 +143,14 @@ def bench_merge(log) -> list[dict]:
         weights, loras = llama8b_layers(targets, 64)
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         floor_ms = 2 * nbytes / 3.0e12 * 1e3  # read + write every weight once at ~3.0 TB/s (H100)
-        for bm, bn, br, warps in MERGE_TILES:
-            plan = plan_merge(weights, loras, block_m=bm, block_n=bn, block_r=br, num_warps=warps)
+        for bm, bn, br, warps, stages in MERGE_TILES:
+            plan = plan_merge(weights, loras, block_m=bm, block_n=bn, block_r=br, num_warps=warps, num_stages=stages)
             m = time_events_ms(lambda: merge_lora_(plan))
             u = time_events_ms(lambda: unmerge_lora_(plan))
             rows.append({"targets": label, "layers": len(weights), "weight_GB": nbytes / 1e9, "floor_ms": floor_ms,
-                         "tile": f"{bm}x{bn}x{br}w{warps}", "merge_ms": m, "unmerge_ms": u})
-            log(f"merge {label:10s} {bm}x{bn}x{br}w{warps}: merge {m:.2f} ms, unmerge {u:.2f} ms "
-                f"(floor {floor_ms:.2f} ms, {2 * nbytes / m / 1e9:.0f} GB/s)")
+                         "tile": f"{bm}x{bn}x{br}w{warps}p{stages}", "merge_ms": m, "unmerge_ms": u})
+            log(f"merge {label:10s} {bm}x{bn}x{br}w{warps}p{stages}: merge {m:.2f} ms, unmerge {u:.2f} ms "
+                f"(floor {floor_ms:.2f} ms, {2 * nbytes / m / 1e6:.0f} GB/s)")
         def loop():  # dLoRA-style: one addmm per layer
             for w, (a, b, s) in zip(weights, loras):
                 w.addmm_(b, a, alpha=s)
@@ -175,6 +175,10 @@ def launch_probe() -> dict:
         out[f"atmm_fused_T1_{tag}_us"] = time_us(lambda: atmm(x, y, pool, plan, config=fused))
         out[f"atmm_split_T1_{tag}_us"] = time_us(lambda: atmm(x, y, pool, plan, config=split))
     out["fast_path_enabled"] = atmm_mod._Launcher.enabled
+    from base_executor.kernels.atmm import plan_segments
+    for t, n in ((64, 64), (8192, 64)):  # host cost of a plan: once per batch, shared by every layer
+        lens, slots = [t // n] * n, list(range(n))
+        out[f"plan_T{t}_n{n}_us"] = time_us(lambda: plan_segments(lens, slots, [64] * n, "cuda"))
     return out
 
 

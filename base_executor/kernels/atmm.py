@@ -171,6 +171,50 @@ def _int_spec(v: int) -> int:
     return 0 if v == 1 else 1 if v % 16 == 0 else 2
 
 
+_INTERNED: dict[tuple, int] = {}
+
+
+def _intern(t: tuple) -> int:
+    return _INTERNED.setdefault(t, len(_INTERNED))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How one plan runs at one (h_in, h_out): resolved once, reused by every layer."""
+
+    fused: bool
+    grid1: tuple[int, int, int]   # fused kernel, or the shrink
+    grid2: tuple[int, int, int]   # the expand
+    split: int                    # split-K partials (split mode)
+    tiles: torch.Tensor
+    consts: tuple                 # constexpr arguments, in kernel order (without UPCAST)
+    num_warps: int
+    num_stages: int
+    kernel_id: int                # interned (config, constexprs, h_in/h_out specialisation)
+
+
+def _resolve(plan: "SegmentPlan", h_in: int, h_out: int, config: TileConfig | None,
+             table: TilingTable | None) -> _Launch:
+    if config is None:
+        config = (table or default_table()).lookup(plan.num_active, plan.num_adapters, plan.max_rank,
+                                                   h_in, h_out)
+    else:
+        config = fit_config(config, plan.block_r)
+    bm, bk, bn, br = config.block_m, config.block_k, config.block_n, plan.block_r
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    n_tiles, even_k = plan.n_tiles[bm], h_in % bk == 0
+    fused = config.mode == "fused"
+    if fused:
+        grid1, grid2, split = (n_tiles, min(config.split, cdiv(h_out, bn)), 1), (0, 0, 0), 1
+        consts = (bm, bk, bn, br, even_k)
+    else:
+        split = min(config.split, plan.ws_split, cdiv(h_in, bk))
+        grid1, grid2 = (n_tiles, split, 1), (n_tiles, cdiv(h_out, bn), 1)
+        consts = (bm, bk, br, even_k, bm, bn, br)
+    kid = _intern((config, consts, _int_spec(h_in), _int_spec(h_out)))
+    return _Launch(fused, grid1, grid2, split, plan.tiles[bm], consts, config.num_warps, config.num_stages, kid)
+
+
 class _Launcher:
     """Launches a @triton.jit kernel; repeats of a known specialisation skip Triton's binder.
 
@@ -237,8 +281,10 @@ class LoraPool:
             raise TypeError(f"scale must be float32 [{sr.shape[0]}]")
         if len({t.device for t in (a, b, sr, self.rank, self.scale)}) != 1:
             raise ValueError("all pool tensors must be on one device")
-        object.__setattr__(self, "spec", (a.dtype, a.device, *(_ptr_spec(t) for t in (a, b, sr, self.rank, self.scale)),
-                                          *(_int_spec(v) for v in (a.stride(0), b.stride(0), sr.stride(0)))))
+        spec = (a.dtype, a.device, *(_ptr_spec(t) for t in (a, b, sr, self.rank, self.scale)),
+                *(_int_spec(v) for v in (a.stride(0), b.stride(0), sr.stride(0))))
+        object.__setattr__(self, "spec_id", _intern(spec))  # what Triton specialises on, as a small int
+        object.__setattr__(self, "strides", (a.stride(0), b.stride(0), sr.stride(0)))
 
     @property
     def h_in(self) -> int:
@@ -289,11 +335,9 @@ class SegmentPlan:
     tiles: dict[int, torch.Tensor]  # block_m -> [n_tiles, 3] int32 (slot, first position, rows)
     workspace: torch.Tensor         # [ws_split * num_active * block_r] fp32, split-K partials
     ws_split: int                   # most split-K partials the workspace holds
-    n_tiles: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def block_r(self) -> int:
-        return block_r_for(self.max_rank) if self.num_active else 16
+    n_tiles: dict[int, int]         # block_m -> tiles
+    block_r: int                    # rank tile: block_r_for(max_rank)
+    launches: dict = field(default_factory=dict)  # (h_in, h_out, config, table) -> _Launch, filled by atmm
 
     @property
     def device(self) -> torch.device:
@@ -342,7 +386,7 @@ def plan_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], slot_ranks:
         max_rank=max_rank, token_index=meta[:order.size],
         tiles={bm: meta[o:o + 3 * n].view(n, 3) for bm, (o, n) in tiles_at.items()},
         workspace=torch.empty(ws_split * order.size * block_r, dtype=torch.float32, device=device),
-        ws_split=ws_split, n_tiles={bm: n for bm, (_, n) in tiles_at.items()})
+        ws_split=ws_split, n_tiles={bm: n for bm, (_, n) in tiles_at.items()}, block_r=block_r)
 
 
 def atmm(x: torch.Tensor, y: torch.Tensor, pool: LoraPool, plan: SegmentPlan, *,
@@ -357,46 +401,41 @@ def atmm(x: torch.Tensor, y: torch.Tensor, pool: LoraPool, plan: SegmentPlan, *,
     """
     if plan.num_active == 0:
         return y
-    if x.dtype != pool.a_rows.dtype or y.dtype != x.dtype:
-        raise TypeError(f"x, y and the pool must share one dtype, got {x.dtype}, {y.dtype}, {pool.a_rows.dtype}")
+    a, b = pool.a_rows, pool.b_rows
+    if x.dtype is not a.dtype or y.dtype is not a.dtype:
+        raise TypeError(f"x, y and the pool must share one dtype, got {x.dtype}, {y.dtype}, {a.dtype}")
     if x.dim() != 2 or y.dim() != 2 or x.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("x and y must be 2-D and contiguous along their last dimension")
-    h_in, h_out = x.shape[1], y.shape[1]
-    if x.shape[0] != plan.num_tokens or y.shape[0] != plan.num_tokens:
-        raise ValueError(f"the plan covers {plan.num_tokens} rows, x has {x.shape[0]}, y {y.shape[0]}")
-    if h_in != pool.a_rows.shape[1] or h_out != pool.b_rows.shape[1]:
-        raise ValueError(f"x [*, {h_in}] -> y [*, {h_out}] does not match the pool "
-                         f"({pool.a_rows.shape[1]} -> {pool.b_rows.shape[1]})")
-    if x.device != plan.device or pool.a_rows.device != x.device:
-        raise ValueError(f"x on {x.device}, plan on {plan.device}, pool on {pool.a_rows.device}")
-    if config is None:
-        config = (table or default_table()).lookup(plan.num_active, plan.num_adapters, plan.max_rank,
-                                                   h_in, h_out)
-    else:
-        config = fit_config(config, plan.block_r)
-    bm, bk, bn, br = config.block_m, config.block_k, config.block_n, plan.block_r
-    tiles, n_tiles = plan.tiles[bm], plan.n_tiles[bm]
+    (t_x, h_in), (t_y, h_out) = x.shape, y.shape
+    if t_x != plan.num_tokens or t_y != plan.num_tokens:
+        raise ValueError(f"the plan covers {plan.num_tokens} rows, x has {t_x}, y {t_y}")
+    if h_in != pool.h_in or h_out != pool.h_out:
+        raise ValueError(f"x [*, {h_in}] -> y [*, {h_out}] does not match the pool ({pool.h_in} -> {pool.h_out})")
+    if x.device != plan.device or a.device != x.device:
+        raise ValueError(f"x on {x.device}, plan on {plan.device}, pool on {a.device}")
+    lk = (h_in, h_out, config, table)
+    launch = plan.launches.get(lk)
+    if launch is None:
+        launch = plan.launches[lk] = _resolve(plan, h_in, h_out, config, table)
     upcast = x.device.type != "cuda"
-    even_k = h_in % bk == 0
     sx, sy = x.stride(0), y.stride(0)
-    key = None if upcast else (config, br, pool.spec, _ptr_spec(x), _ptr_spec(y), _int_spec(sx), _int_spec(sy),
-                               _int_spec(h_in), _int_spec(h_out))
-    a, b = pool.a_rows, pool.b_rows
-    if config.mode == "fused":
-        split_n = min(config.split, triton.cdiv(h_out, bn))
-        _launch_fused(key, (n_tiles, split_n, 1), (
-            x, a, b, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
-            h_in, h_out, sx, a.stride(0), b.stride(0), sy, pool.slot_rows.stride(0), scale_mult,
-            bm, bk, bn, br, even_k, upcast), config.num_warps, config.num_stages)
+    key = None if upcast else (launch.kernel_id, pool.spec_id, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0,
+                               _int_spec(sx), _int_spec(sy))
+    sa, sb, sr = pool.strides
+    if launch.fused:
+        _launch_fused(key, launch.grid1, (
+            x, a, b, y, plan.token_index, launch.tiles, pool.slot_rows, pool.rank, pool.scale,
+            h_in, h_out, sx, sa, sb, sy, sr, scale_mult, *launch.consts, upcast),
+            launch.num_warps, launch.num_stages)
         return y
-    split_k = min(config.split, plan.ws_split, triton.cdiv(h_in, bk))
+    bm, bk, br, even_k = launch.consts[:4]
     # ws: [split_k, num_active, block_r] fp32 partial sums of x @ A^T
-    _launch_shrink(key, (n_tiles, split_k, 1), (
-        x, a, plan.workspace, plan.token_index, tiles, pool.slot_rows, pool.rank,
-        h_in, plan.num_active, sx, a.stride(0), pool.slot_rows.stride(0),
-        bm, bk, br, even_k, upcast), config.num_warps, config.num_stages)
-    _launch_expand(key, (n_tiles, triton.cdiv(h_out, bn), 1), (
-        plan.workspace, b, y, plan.token_index, tiles, pool.slot_rows, pool.rank, pool.scale,
-        h_out, plan.num_active, split_k, b.stride(0), sy, pool.slot_rows.stride(0), scale_mult,
-        bm, bn, br, upcast), config.num_warps, 2)
+    _launch_shrink(key, launch.grid1, (
+        x, a, plan.workspace, plan.token_index, launch.tiles, pool.slot_rows, pool.rank,
+        h_in, plan.num_active, sx, sa, sr, bm, bk, br, even_k, upcast),
+        launch.num_warps, launch.num_stages)
+    _launch_expand(key, launch.grid2, (
+        plan.workspace, b, y, plan.token_index, launch.tiles, pool.slot_rows, pool.rank, pool.scale,
+        h_out, plan.num_active, launch.split, sb, sy, sr, scale_mult, *launch.consts[4:], upcast),
+        launch.num_warps, 2)
     return y

@@ -54,6 +54,12 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < n_out
         n_ok = offs_n < n_in
+        # W's tile is issued first so its latency overlaps the ΔW product
+        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+        if EVEN:
+            wt = tl.load(w_ptrs)
+        else:
+            wt = tl.load(w_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r_ok = (r0 + offs_r) < rank
@@ -67,14 +73,11 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = _mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + tl.program_id(1)) * sign
-        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+        w_new = (wt.to(tl.float32) + s * acc).to(base_ptr.dtype.element_ty)
         if EVEN:
-            wt = tl.load(w_ptrs).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
+            tl.store(w_ptrs, w_new)
         else:
-            mask = m_ok[:, None] & n_ok[None, :]
-            wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
+            tl.store(w_ptrs, w_new, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,11 +94,13 @@ class MergePlan:
     block_n: int
     block_r: int
     num_warps: int
+    num_stages: int
     keep: tuple           # the tensors whose addresses the table holds
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
-               block_m: int = 64, block_n: int = 128, block_r: int = 32, num_warps: int = 4) -> MergePlan:
+               block_m: int = 32, block_n: int = 256, block_r: int = 32, num_warps: int = 4,
+               num_stages: int = 1) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i.
 
     weights[i]: [out_i, in_i] (nn.Linear layout), contiguous along in_i.
@@ -138,14 +143,14 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
     keep = tuple(weights) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, align, even,
-                     block_m, block_n, block_r, num_warps, keep)
+                     block_m, block_n, block_r, num_warps, num_stages, keep)
 
 
 def _apply(plan: MergePlan, sign: float) -> None:
     _merge_kernel[(plan.max_tiles, plan.table.shape[0])](
         plan.base, plan.table, plan.scales, sign, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_R=plan.block_r, ALIGN=plan.align, EVEN=plan.even, UPCAST=plan.base.device.type != "cuda",
-        num_warps=plan.num_warps)
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def merge_lora_(plan: MergePlan) -> None:

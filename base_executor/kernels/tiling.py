@@ -138,15 +138,16 @@ class ShapeClass:
 
 
 def builtin_config(cls: ShapeClass) -> TileConfig:
-    """The tiling used when no profiled table exists for this GPU (what won on an H100).
+    """The tiling used when no profiled table exists for this GPU: what profiling on an
+    H100 chose (benchmarks/results/atmm_tiling_h100.json).
 
-    Up to 4096 tokens: one fused launch, the shrink redone by 4 column groups (launch
-    cost dominates, and one launch is cheaper than two). Beyond: shrink then expand.
+    Up to 4096 tokens, one fused launch with the shrink redone by 4 column groups (the
+    launch is most of the cost and one is cheaper than two); beyond, shrink then expand.
     """
     if cls.tokens <= 4096:
-        if cls.tokens // cls.adapters <= 16:
-            return TileConfig(mode="fused", block_m=16, block_k=128, block_n=64, split=4)
         return TileConfig(mode="fused", block_m=64, block_k=64, block_n=128, split=4)
+    if cls.rank <= 64:
+        return TileConfig(mode="split", block_m=64, block_k=128, block_n=128, split=1, num_warps=8)
     return TileConfig(mode="split", block_m=64, block_k=64, block_n=128, split=1)
 
 
