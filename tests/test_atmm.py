@@ -57,8 +57,10 @@ def check_rows(out, y0, ref, seg_lens, seg_slots, dtype):
     if served.any():
         d_out = out[served].float() - y0[served].float()
         d_ref = ref[served].float() - y0[served].float()
-        err = (d_out - d_ref).norm(dim=1) / d_ref.norm(dim=1).clamp_min(1e-3)
         assert torch.isfinite(d_out).all()
+        # the output's own rounding scales with |y|, not with the delta: allow it on top
+        excess = (d_out - d_ref).norm(dim=1) - eps(dtype) * ref[served].float().norm(dim=1)
+        err = excess / d_ref.norm(dim=1).clamp_min(1e-3)
         assert err.max().item() < TOL[dtype], f"worst row error {err.max().item():.3g}"
 
 
