@@ -54,12 +54,6 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < n_out
         n_ok = offs_n < n_in
-        # W's tile is issued first so its latency overlaps the ΔW product
-        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
-        if EVEN:
-            wt = tl.load(w_ptrs)
-        else:
-            wt = tl.load(w_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r_ok = (r0 + offs_r) < rank
@@ -73,11 +67,14 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = _mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + tl.program_id(1)) * sign
-        w_new = (wt.to(tl.float32) + s * acc).to(base_ptr.dtype.element_ty)
+        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
         if EVEN:
-            tl.store(w_ptrs, w_new)
+            wt = tl.load(w_ptrs).to(tl.float32)
+            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
         else:
-            tl.store(w_ptrs, w_new, mask=m_ok[:, None] & n_ok[None, :])
+            mask = m_ok[:, None] & n_ok[None, :]
+            wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +97,7 @@ class MergePlan:
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                block_m: int = 32, block_n: int = 256, block_r: int = 32, num_warps: int = 4,
-               num_stages: int = 1) -> MergePlan:
+               num_stages: int = 3) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i.
 
     weights[i]: [out_i, in_i] (nn.Linear layout), contiguous along in_i.
