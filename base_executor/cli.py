@@ -57,6 +57,12 @@ def _serve(args: argparse.Namespace) -> int:
         device=str(device),
         units=[u.info() for u in table.units.values()],
     )
+    if device.type == "cuda":
+        from proto.cuda_ipc import device_uuid
+
+        torch.cuda.set_device(device)
+        catalog.device_uuid = device_uuid(device)
+        _warn_without_mps(log)
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     table.to(device)
     core = ExecutorCore(table, dtype, device, sched)
@@ -78,6 +84,28 @@ def _serve(args: argparse.Namespace) -> int:
     server.serve()
     log.info("stopped")
     return 0
+
+
+def _mps_running() -> bool:
+    """Whether a CUDA MPS control daemon runs on this host (its server multiplexes our GPU work)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() in ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _warn_without_mps(log: logging.Logger) -> None:
+    if not _mps_running():
+        log.warning(
+            "CUDA MPS is not running: tenants on this GPU will time-slice with the executor (measured on an "
+            "H100: ~370 us per call instead of ~81 us). Start it before the executor and the tenants: "
+            "export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
+            "mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d"
+        )
 
 
 def _models(_args: argparse.Namespace) -> int:

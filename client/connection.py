@@ -28,9 +28,10 @@ class Connection:
         self._catalog: pb.CatalogReply | None = None
         self._skeleton: pb.SkeletonReply | None = None
 
-    def ensure_attached(self) -> None:
+    def ensure_attached(self, device: torch.device | str = "cpu") -> None:
+        """Attaches if not yet attached; `device` is where this tenant's tensors live."""
         if not self.transport.is_attached:
-            self.transport.attach(self.name, self._latency, self._mailbox_bytes)
+            self.transport.attach(self.name, self._latency, self._mailbox_bytes, torch.device(device))
 
     def catalog(self) -> pb.CatalogReply:
         if self._catalog is None:

@@ -38,6 +38,10 @@ class RemoteWeight(torch.Tensor):
         me = next(a for a in args if isinstance(a, RemoteWeight))
         if func in cls._ALIASES:
             return RemoteWeight(me.shape, me.dtype, me.device, me.unit, me.url)
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", me.dtype) == me.dtype:
+            # model.to(device) moves the placeholder, not values; the executor keeps serving the unit
+            return RemoteWeight(me.shape, me.dtype, kwargs.get("device") or me.device, me.unit, me.url)
         raise RuntimeError(
             f"'{me.unit}' is served by the base executor at {me.url}: this process holds only a placeholder "
             f"(shape {list(me.shape)}, {me.dtype}), so its values cannot be read ({func}). Call the module "

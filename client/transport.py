@@ -24,6 +24,7 @@ class Transport(abc.ABC):
         self.url = url
         self.tenant_id = 0
         self.token = ""
+        self.device = torch.device("cpu")
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one call in flight per tenant
 
@@ -55,12 +56,23 @@ class Transport(abc.ABC):
         raise_for_status(reply.status, f"{kind} on {self.url}")
         return reply
 
-    def attach(self, tenant_name: str, latency: int = pb.TRAINING, mailbox_bytes: int = 0) -> pb.AttachReply:
+    def attach(
+        self, tenant_name: str, latency: int = pb.TRAINING, mailbox_bytes: int = 0, device: torch.device | None = None
+    ) -> pb.AttachReply:
+        """Becomes a tenant. `device` is where this tenant's tensors live: when it is the executor's
+        GPU, the data plane is device memory shared by CUDA IPC; otherwise host shared memory."""
         import os
 
-        reply = self.control(
-            "attach", pb.AttachRequest(tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes)
-        ).attach
+        self.device = torch.device(device or "cpu")
+        uuid = ""
+        if self.device.type == "cuda":
+            from proto.cuda_ipc import device_uuid
+
+            uuid = device_uuid(self.device)
+        request = pb.AttachRequest(
+            tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid
+        )
+        reply = self.control("attach", request).attach
         self.tenant_id, self.token = reply.tenant_id, reply.token
         self._attached(reply)
         return reply

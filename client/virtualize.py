@@ -129,8 +129,8 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
             raise ModelMismatchError(f"unit {unit.id!r}: shape {list(w.shape)} differs from the served unit")
         plan.append((name, module, mixin, unit))
 
-    conn.ensure_attached()
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    conn.ensure_attached(device)
     for name, module, mixin, unit in plan:
         shim = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
         parent_name, _, attr = name.rpartition(".")

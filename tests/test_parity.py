@@ -102,3 +102,11 @@ def test_shim_compiles_in_one_graph(executor):
     (gx2,) = torch.autograd.grad(y2.square().sum(), x2)
     assert torch.equal(y, y2)
     torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
+
+
+def test_model_to_moves_placeholders_but_not_dtype(executor):
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    virt.to("cpu")
+    virt.to(torch.device("cpu"), torch.float32)
+    with pytest.raises(RuntimeError, match="served by the base executor"):
+        virt.to(torch.float16)

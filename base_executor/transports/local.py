@@ -1,6 +1,10 @@
 """Same-host transport server (`local://NAME`): ZeroMQ control on a unix socket, tensors in
 executor-owned per-tenant shared-memory mailboxes, signalling through the csrc doorbell rings.
 
+A tenant on the executor's own GPU gets its data area in device memory instead (proto/cuda_ipc.py):
+shared once by CUDA IPC handle, ordered by two interprocess events, so no call synchronises the
+host; the rings and doorbells stay in host shared memory.
+
 Two threads: the control thread answers ControlRequests (attach, grow, detach, catalog,
 skeleton, stats, health); the data loop waits on the executor-wide wake word, drains every
 tenant's request ring into the core, steps the core, writes results into mailboxes and rings
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 import os
 import secrets
 import threading
@@ -25,6 +30,9 @@ from base_executor.scheduler import Call
 from proto import codec, mailbox, urls
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
+
+if TYPE_CHECKING:
+    from proto.cuda_ipc import DeviceRegion
 
 log = logging.getLogger("base_executor")
 
@@ -59,7 +67,19 @@ class Tenant:
     pid: int
     token: str
     fd: int
-    box: mailbox.Mailbox
+    box: mailbox.Mailbox  # rings, reply doorbell, and the data area of a host tenant
+    gpu: "DeviceRegion | None" = None  # the data area of a tenant on the executor's GPU
+
+    @property
+    def data_bytes(self) -> int:
+        return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
+
+    def data_view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor at `offset` of the data area (no copy), on the host or the executor's GPU."""
+        if self.gpu is None:
+            return codec.view(self.box.mem, mailbox.DATA_OFFSET + offset, shape, dtype)
+        n = codec.nbytes(shape, dtype)
+        return self.gpu.data[offset : offset + n].view(dtype).view(tuple(shape))
 
 
 def _alive(pid: int) -> bool:
@@ -97,6 +117,11 @@ class LocalServer:
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
         self.started = time.monotonic()
+        self.device_uuid = ""
+        if core.device.type == "cuda":
+            from proto.cuda_ipc import device_uuid
+
+            self.device_uuid = device_uuid(core.device)
         self.stopping = threading.Event()
         self._control_done = threading.Event()
 
@@ -203,7 +228,7 @@ class LocalServer:
         out_dtype = self.core.dtype
         in_bytes = codec.nbytes(in_shape, dtype)
         out_bytes = codec.nbytes(out_shape, out_dtype)
-        cap = t.box.data_bytes
+        cap = t.data_bytes
         for what, off, size, item in (("input", req.in_offset, in_bytes, dtype.itemsize), ("output", req.out_offset, out_bytes, out_dtype.itemsize)):
             if off % item:
                 raise CallError(pb.INVALID_ARGUMENT, f"{what} offset {off} is not aligned to {item} bytes")
@@ -213,9 +238,11 @@ class LocalServer:
                     f"call too large for the mailbox: {what} needs bytes [{off}, {off + size}) but the data area holds "
                     f"{cap} (grow the mailbox, at most {self.config.max_mailbox_bytes} bytes)",
                 )
-        x = codec.view(t.box.mem, mailbox.DATA_OFFSET + req.in_offset, in_shape, dtype)
-        if self.core.device.type != "cpu":
-            x = x.to(self.core.device, non_blocking=False)
+        if t.gpu is not None:  # the GEMM waits on the GPU for the tenant's copy-in, not here
+            torch.cuda.current_stream(self.core.device).wait_event(t.gpu.input_ready)
+        x = t.data_view(req.in_offset, in_shape, dtype)
+        if x.device != self.core.device:
+            x = x.to(self.core.device)
         if unit.kind == "embedding":
             self.core.check_ids(unit, x)
         return Call(
@@ -227,21 +254,21 @@ class LocalServer:
             out_shape=out_shape,
             latency=req.latency,
             arrived=time.monotonic(),
-            tag=(t, t.box, req.out_offset),
+            tag=(t, t.gpu or t.box, req.out_offset),
         )
 
     def _deliver(self, results: list[Result]) -> None:
         rung: set[int] = set()
         with self.lock:
             for r in results:
-                t, box, out_offset = r.call.tag
-                if self.tenants.get(t.id) is not t or t.box is not box:
+                t, area, out_offset = r.call.tag
+                if self.tenants.get(t.id) is not t or (t.gpu or t.box) is not area:
                     continue  # detached or regrown mid-call: nobody to tell
                 if r.error is not None:
                     self._push(t, pb.CallReply(call_id=r.call.call_id, status=r.error.status()))
                 else:
                     y = r.y
-                    codec.view(box.mem, mailbox.DATA_OFFSET + out_offset, y.shape, y.dtype).copy_(y)
+                    t.data_view(out_offset, y.shape, y.dtype).copy_(y)
                     self._push(
                         t,
                         pb.CallReply(
@@ -254,8 +281,11 @@ class LocalServer:
                     )
                 rung.add(t.id)
             for tid in rung:
-                if tid in self.tenants:
-                    self.tenants[tid].box.reply_bell.ring()
+                t = self.tenants.get(tid)
+                if t is not None:
+                    if t.gpu is not None:  # the tenant's read waits on the GPU for our writes
+                        t.gpu.output_ready.record(torch.cuda.current_stream(self.core.device))
+                    t.box.reply_bell.ring()
 
     def _reply_error(self, t: Tenant, call_id: int, err: CallError) -> None:
         self._push(t, pb.CallReply(call_id=call_id, status=err.status()))
@@ -279,6 +309,8 @@ class LocalServer:
         dropped = self.core.scheduler.drop_tenant(t.id)
         t.box.close()
         os.close(t.fd)
+        if t.gpu is not None:
+            t.gpu.free()
         log.info("tenant %d (%s, pid %d) detached: %s%s", t.id, t.name, t.pid, why,
                  f"; {dropped} queued calls dropped" if dropped else "")
 
@@ -340,6 +372,7 @@ class LocalServer:
         if a.pid <= 0:
             return _error(pb.INVALID_ARGUMENT, f"attach needs the tenant's pid, got {a.pid}")
         size = a.mailbox_bytes or self.config.mailbox_bytes
+        on_gpu = bool(a.device_uuid) and a.device_uuid == self.device_uuid
         if size > self.config.max_mailbox_bytes:
             return _error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
         with self.lock:
@@ -347,10 +380,12 @@ class LocalServer:
                 return _error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
             tid = self._next_id
             self._next_id += 1
-            fd, box = self._new_mailbox(tid, size)
-            t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, token=secrets.token_hex(16), fd=fd, box=box)
+            fd, box = self._new_mailbox(tid, 0 if on_gpu else size)
+            gpu = self._new_region(size) if on_gpu else None
+            t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, token=secrets.token_hex(16), fd=fd, box=box, gpu=gpu)
             self.tenants[tid] = t
-        log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB", tid, t.name, t.pid, size >> 20)
+        log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
+                 f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory)")
         self.wake.ring()
         return pb.ControlReply(
             status=_OK,
@@ -358,12 +393,13 @@ class LocalServer:
                 tenant_id=tid,
                 token=t.token,
                 wake=pb.SharedRegion(owner_pid=os.getpid(), fd=self.wake_fd, size=mailbox.WAKE_BYTES),
-                mailbox=pb.SharedRegion(owner_pid=os.getpid(), fd=fd, size=mailbox.Mailbox.total_bytes(size)),
+                mailbox=pb.SharedRegion(owner_pid=os.getpid(), fd=fd, size=mailbox.Mailbox.total_bytes(box.data_bytes)),
                 ring_slots=mailbox.RING_SLOTS,
                 ring_slot_size=mailbox.RING_SLOT_SIZE,
                 data_offset=mailbox.DATA_OFFSET,
-                data_bytes=size,
+                data_bytes=t.data_bytes,
                 max_mailbox_bytes=self.config.max_mailbox_bytes,
+                cuda=_cuda_region(gpu),
             ),
         )
 
@@ -371,13 +407,22 @@ class LocalServer:
         fd, mem = mailbox.create_region(f"symbiont-{self.config.name}-t{tid}", mailbox.Mailbox.total_bytes(data_bytes))
         return fd, mailbox.Mailbox(mem, data_bytes)
 
+    def _new_region(self, nbytes: int) -> "DeviceRegion":
+        from proto.cuda_ipc import DeviceRegion
+
+        return DeviceRegion.allocate(self.core.device, nbytes)
+
     def _grow(self, t: Tenant, data_bytes: int) -> pb.ControlReply:
         if data_bytes > self.config.max_mailbox_bytes:
             return _error(
                 pb.RESOURCE_EXHAUSTED,
                 f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
             )
-        if data_bytes > t.box.data_bytes:
+        if data_bytes > t.data_bytes and t.gpu is not None:
+            old_gpu, t.gpu = t.gpu, self._new_region(data_bytes)
+            old_gpu.free()
+            log.info("tenant %d device mailbox grown to %d MiB", t.id, data_bytes >> 20)
+        elif data_bytes > t.data_bytes:
             fd, box = self._new_mailbox(t.id, data_bytes)
             old_fd, old = t.fd, t.box
             t.fd, t.box = fd, box
@@ -389,13 +434,14 @@ class LocalServer:
             grow=pb.GrowReply(
                 mailbox=pb.SharedRegion(owner_pid=os.getpid(), fd=t.fd, size=mailbox.Mailbox.total_bytes(t.box.data_bytes)),
                 data_offset=mailbox.DATA_OFFSET,
-                data_bytes=t.box.data_bytes,
+                data_bytes=t.data_bytes,
+                cuda=_cuda_region(t.gpu),
             ),
         )
 
     def _mailbox_bytes(self) -> int:
         with self.lock:
-            return sum(mailbox.Mailbox.total_bytes(t.box.data_bytes) for t in self.tenants.values())
+            return sum(mailbox.Mailbox.total_bytes(t.box.data_bytes) + (t.gpu.nbytes if t.gpu else 0) for t in self.tenants.values())
 
     def _stats(self) -> pb.StatsReply:
         k = self.core.counters
@@ -415,6 +461,13 @@ class LocalServer:
 
 
 _OK = pb.Status(code=pb.OK)
+
+
+def _cuda_region(gpu) -> pb.CudaRegion | None:
+    if gpu is None:
+        return None
+    mem, inp, out = gpu.handles()
+    return pb.CudaRegion(mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out)
 
 
 def _error(code: int, message: str) -> pb.ControlReply:

@@ -1,5 +1,7 @@
-"""Same-host transport (`local://NAME`), tenant side: ZeroMQ for control, the executor's shared
-memory mailbox for tensors, the csrc rings and doorbells for signalling."""
+"""Same-host transport (`local://NAME`), tenant side: ZeroMQ for control, the csrc rings and
+doorbells for signalling, and the executor's mailbox for tensors: host shared memory, or, when
+the tenant sits on the executor's GPU, device memory opened by CUDA IPC handle (the copy-in, the
+executor's GEMM and the read are ordered by interprocess events; no host synchronisation)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +36,7 @@ class LocalTransport(Transport):
         self._executor_pid = 0
         self._wake_mem = self._wake = None
         self._box: mailbox.Mailbox | None = None
+        self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
         self._max_data = 0
 
     def _socket(self):
@@ -66,13 +69,27 @@ class LocalTransport(Transport):
         self._executor_pid = reply.wake.owner_pid
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
-        self._map(reply.mailbox, reply.data_bytes)
+        self._map(reply.mailbox, reply.data_bytes, reply.cuda if reply.HasField("cuda") else None)
         self._max_data = reply.max_mailbox_bytes
 
-    def _map(self, region: pb.SharedRegion, data_bytes: int) -> None:
+    def _map(self, region: pb.SharedRegion, data_bytes: int, cuda: pb.CudaRegion | None) -> None:
         if self._box is not None:
             self._box.close()
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
         self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), data_bytes)
+        self._data_bytes = data_bytes
+        if cuda is not None:
+            from proto.cuda_ipc import OpenedRegion
+
+            self._gpu = OpenedRegion.open(self.device, cuda.size, cuda.mem_handle, cuda.input_ready, cuda.output_ready)
+            self._data_bytes = cuda.size
+
+    def _view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self._gpu is None:
+            return codec.view(self._box.mem, mailbox.DATA_OFFSET + offset, shape, dtype)
+        return self._gpu.data[offset : offset + codec.nbytes(shape, dtype)].view(dtype).view(tuple(shape))
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -80,20 +97,22 @@ class LocalTransport(Transport):
                 f"call needs {need} bytes of mailbox, the executor at {self.url} allows at most {self._max_data} "
                 "(split the batch, or start the executor with a larger --max-mailbox-mb)"
             )
-        want = min(max(need, 2 * self._box.data_bytes), self._max_data)
+        want = min(max(need, 2 * self._data_bytes), self._max_data)
         reply = self.control("grow", pb.GrowRequest(data_bytes=want)).grow
-        self._map(reply.mailbox, reply.data_bytes)
+        self._map(reply.mailbox, reply.data_bytes if not reply.HasField("cuda") else 0, reply.cuda if reply.HasField("cuda") else None)
 
     def _call(self, request, x, out_shape, out_dtype):
         if self._box is None:
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
-        if need > self._box.data_bytes:
+        if need > self._data_bytes:
             self._grow(need)
-        box = self._box
+        box, gpu = self._box, self._gpu
         request.in_offset, request.out_offset = 0, in_bytes
-        codec.view(box.mem, mailbox.DATA_OFFSET, x.shape, x.dtype).copy_(x)
+        self._view(0, x.shape, x.dtype).copy_(x)
+        if gpu is not None:
+            gpu.input_ready.record(torch.cuda.current_stream(self.device))
         if not box.requests.push(request.SerializeToString()):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring()
@@ -101,8 +120,11 @@ class LocalTransport(Transport):
         raise_for_status(reply.status, f"{pb.Op.Name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
+        if gpu is not None:  # our stream waits for the executor's writes; the host does not
+            torch.cuda.current_stream(self.device).wait_event(gpu.output_ready)
+            return self._view(reply.out_offset, out_shape, out_dtype).clone()
         y = torch.empty(out_shape, dtype=out_dtype)
-        y.copy_(codec.view(box.mem, mailbox.DATA_OFFSET + reply.out_offset, out_shape, out_dtype))
+        y.copy_(self._view(reply.out_offset, out_shape, out_dtype))
         return y if x.device.type == "cpu" else y.to(x.device)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
@@ -120,6 +142,12 @@ class LocalTransport(Transport):
                 raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
 
     def _teardown(self) -> None:
+        if self._gpu is not None:
+            try:
+                self._gpu.close()
+            except Exception:  # the executor may be gone; its memory goes with it
+                pass
+            self._gpu = None
         if self._box is not None:
             self._box.close()
             self._box = None

@@ -1,0 +1,131 @@
+"""S6 transport: the round trip of one call of 1, 16, 1024, 4096 tokens x hidden 2048 through
+every placement this machine can run, against the GEMM alone, side by side in one run.
+
+Placements: `cpu-executor` (tenant and executor on the CPU, shared memory), `host->gpu`
+(tenant on the CPU, executor on the GPU), `same-gpu` (tenant on the executor's GPU, CUDA IPC
+mailboxes). The executor is a real `base-executor serve` process; the unit is a 2048x2048
+q_proj of a one-layer Llama saved to a temporary directory.
+
+    python benchmarks/s6_transport.py [--label mps]      # run once with MPS on, once without
+
+Prints a table last and writes benchmarks/out/s6_transport[-LABEL].json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TOKENS = (1, 16, 1024, 4096)
+HIDDEN = 2048
+UNIT = "model.layers.0.self_attn.q_proj"
+
+
+def make_model(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=1, num_attention_heads=16,
+                         num_key_value_heads=8, vocab_size=1024)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def serve(model: str, url: str, device: str, dtype: str) -> subprocess.Popen:
+    from client import ExecutorUnavailableError, connect
+
+    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
+           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            with connect(url) as c:
+                c.health()
+            return proc
+        except ExecutorUnavailableError:
+            time.sleep(0.2)
+    raise SystemExit(f"executor {url} did not start")
+
+
+def median_us(fn, sync, n: int = 200, warmup: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    from client import connect
+    from proto import executor_pb2 as pb
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--label", default="")
+    p.add_argument("--calls", type=int, default=200)
+    a = p.parse_args()
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(tmp)
+        w = torch.randn(HIDDEN, HIDDEN)
+        placements = [("cpu-executor", "cpu", "float32", "cpu")]
+        if cuda:
+            placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0")]
+            wg = w.to("cuda", torch.bfloat16)
+            rows["GEMM alone (GPU, bf16)"] = {
+                n: median_us(lambda x=torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16): torch.nn.functional.linear(x, wg), sync, a.calls)
+                for n in TOKENS
+            }
+        rows["GEMM alone (CPU, fp32)"] = {
+            n: median_us(lambda x=torch.randn(n, HIDDEN): torch.nn.functional.linear(x, w), lambda: None, min(a.calls, 50))
+            for n in TOKENS
+        }
+        for name, ex_device, dtype, tenant_device in placements:
+            url = f"local://s6-{os.getpid()}-{name.replace('>', '').replace('-', '')}"
+            proc = serve(tmp, url, ex_device, dtype)
+            try:
+                conn = connect(url)
+                conn.ensure_attached(tenant_device)
+                t = conn.transport
+                tdtype = getattr(torch, dtype)
+                row = {}
+                for n in TOKENS:
+                    x = torch.randn(n, HIDDEN, dtype=tdtype, device=tenant_device)
+                    calls = a.calls if ex_device != "cpu" or n <= 16 else 20
+                    row[n] = median_us(lambda: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE),
+                                       sync if tenant_device != "cpu" else (lambda: None), calls)
+                rows[name] = row
+                conn.close()
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    out = {"label": a.label, "hidden": HIDDEN, "gpu": torch.cuda.get_device_name() if cuda else None,
+           "torch": torch.__version__, "median_us": rows}
+    path = REPO / "benchmarks" / "out" / f"s6_transport{'-' + a.label if a.label else ''}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"\nS6 round trip, median us, hidden {HIDDEN} {('(' + a.label + ')') if a.label else ''}")
+    print(f"{'placement':26s}" + "".join(f"{n:>10d}" for n in TOKENS))
+    for name, row in rows.items():
+        print(f"{name:26s}" + "".join(f"{row[n]:10.1f}" for n in TOKENS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
