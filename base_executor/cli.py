@@ -42,8 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         exact=args.exact,
     )
+    mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     server_config = LocalServerConfig(
-        name=name, mailbox_bytes=args.mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20
+        name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-tokens", type=int, default=8192, help="a unit's queue with this many tokens runs at once")
     s.add_argument("--exact", action="store_true", help="batch-invariant results: one GEMM per call within a batch, "
                    "so every tenant gets bitwise what it would get alone (slower under load)")
-    s.add_argument("--mailbox-mb", type=int, default=16, help="initial shared-memory data area per tenant")
+    s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)

@@ -116,20 +116,23 @@ class Scheduler:
             del self._queues[best], self._tokens[best], self._inference[best]
         return batch
 
-    def drop_tenant(self, tenant: int) -> int:
-        """Forgets a detached tenant's queued calls; returns how many."""
+    def drop(self, predicate) -> int:
+        """Forgets every queued call for which predicate(call) is true; returns how many."""
         dropped = 0
         for key in list(self._queues):
-            q = self._queues[key]
-            keep = collections.deque(c for c in q if c.tenant != tenant)
-            for c in q:
-                if c.tenant == tenant:
-                    dropped += 1
-                    self._tokens[key] -= c.tokens
-                    self._inference[key] -= c.latency == pb.INFERENCE
+            keep = collections.deque()
+            for c in self._queues[key]:
+                if not predicate(c):
+                    keep.append(c)
+                    continue
+                dropped += 1
+                self._tokens[key] -= c.tokens
+                self._inference[key] -= c.latency == pb.INFERENCE
+                self._per_tenant[c.tenant] -= 1
+                if self._per_tenant[c.tenant] == 0:
+                    del self._per_tenant[c.tenant]
             if keep:
                 self._queues[key] = keep
             else:
                 del self._queues[key], self._tokens[key], self._inference[key]
-        self._per_tenant.pop(tenant, None)
         return dropped

@@ -74,7 +74,9 @@ def _shim_mixin(module: nn.Module, unit_id: str) -> type:
 def check_config(model_config, served_json: str) -> None:
     served = json.loads(served_json)
     mine = model_config.to_dict()
-    for key in sorted(served.keys() & mine.keys()):
+    for key in ["model_type"] + sorted(served.keys() & mine.keys()):
+        if key not in served or key not in mine:
+            continue
         if key in _RUNTIME_KEYS:
             continue
         if json.dumps(served[key], sort_keys=True, default=str) != json.dumps(mine[key], sort_keys=True, default=str):

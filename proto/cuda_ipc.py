@@ -22,7 +22,19 @@ _LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class _IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
+    # c_ubyte, not c_char: a c_char array field reads back cut at its first NUL byte
+    _fields_ = [("reserved", ctypes.c_ubyte * _IPC_HANDLE_BYTES)]
+
+    def to_bytes(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), _IPC_HANDLE_BYTES)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "_IpcMemHandle":
+        if len(data) != _IPC_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC memory handle has {_IPC_HANDLE_BYTES} bytes, got {len(data)}")
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), data, _IPC_HANDLE_BYTES)
+        return h
 
 
 _lib = None
@@ -92,7 +104,7 @@ class DeviceRegion:
     def handles(self) -> tuple[bytes, bytes, bytes]:
         h = _IpcMemHandle()
         _check(_driver().cuIpcGetMemHandle(ctypes.byref(h), self.ptr), "cuIpcGetMemHandle")
-        return bytes(h.reserved), self.input_ready.ipc_handle(), self.output_ready.ipc_handle()
+        return h.to_bytes(), self.input_ready.ipc_handle(), self.output_ready.ipc_handle()
 
     def free(self) -> None:
         torch.cuda.set_device(self.device)
@@ -114,8 +126,7 @@ class OpenedRegion:
     @classmethod
     def open(cls, device: torch.device, nbytes: int, mem_handle: bytes, input_ready: bytes, output_ready: bytes) -> "OpenedRegion":
         torch.cuda.set_device(device)
-        h = _IpcMemHandle()
-        h.reserved = mem_handle
+        h = _IpcMemHandle.from_bytes(mem_handle)
         ptr = ctypes.c_uint64()
         _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         return cls(

@@ -9,6 +9,7 @@ Mailbox layout (offsets in bytes):
     [REQUEST_RING_OFFSET, +RING_REGION)   tenant -> executor calls   (csrc Ring)
     [REPLY_RING_OFFSET,   +RING_REGION)   executor -> tenant replies (csrc Ring)
     [REPLY_BELL_OFFSET,   +8)             doorbell the executor rings after a reply
+    [DETACHED_OFFSET,     +4)             non-zero once the executor has detached the tenant
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -27,6 +28,7 @@ RING_REGION = 36864  # Ring.bytes_needed(64, 512) = 32896, rounded up to pages
 REQUEST_RING_OFFSET = 0
 REPLY_RING_OFFSET = REQUEST_RING_OFFSET + RING_REGION
 REPLY_BELL_OFFSET = REPLY_RING_OFFSET + RING_REGION
+DETACHED_OFFSET = REPLY_BELL_OFFSET + 64
 DATA_OFFSET = REPLY_BELL_OFFSET + 4096
 WAKE_BYTES = 4096
 ALIGN = 64
@@ -82,10 +84,16 @@ class Mailbox:
     def total_bytes(data_bytes: int) -> int:
         return DATA_OFFSET + data_bytes
 
+    @property
+    def detached(self) -> bool:
+        return self.mem[DETACHED_OFFSET : DETACHED_OFFSET + 4] != b"\0\0\0\0"
+
+    def mark_detached(self) -> None:
+        """Executor side: tells a tenant still waiting here that nobody serves this mailbox any more."""
+        self.mem[DETACHED_OFFSET : DETACHED_OFFSET + 4] = (1).to_bytes(4, "little")
+        self.reply_bell.ring()
+
     def close(self) -> None:
-        """Drops the ring views and unmaps; a tensor still viewing the data keeps the map alive until it dies."""
+        """Drops the ring views. The map is not unmapped here: tensors made by torch.frombuffer
+        view it without holding a buffer export, so it is freed when the last of them dies."""
         self.requests = self.replies = self.reply_bell = None
-        try:
-            self.mem.close()
-        except BufferError:
-            pass

@@ -131,11 +131,11 @@ def test_check_rejects_with_typed_code(model, unit, op, dtype, shape, code):
     assert e.value.code == code
 
 
-def test_drop_tenant_forgets_its_calls(model):
+def test_drop_forgets_matching_calls(model):
     core = core_for(model, max_wait_us=0)
     core.submit(call(core, 1, Q, 2, t=0.0))
     core.submit(call(core, 2, Q, 2, t=0.0))
-    assert core.scheduler.drop_tenant(1) == 1
+    assert core.scheduler.drop(lambda c: c.tenant == 1) == 1
     assert [r.call.tenant for r in core.step(now=1.0)] == [2]
     assert core.scheduler.pending() == 0 and core.scheduler.waiting_tenants() == 0
 

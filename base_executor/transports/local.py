@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from base_executor.core import CallError, ExecutorCore, Result
 from base_executor.scheduler import Call
 from proto import codec, mailbox, urls
+from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
@@ -82,20 +83,6 @@ class Tenant:
         return self.gpu.data[offset : offset + n].view(dtype).view(tuple(shape))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def rss_anon_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -113,6 +100,9 @@ class LocalServer:
         self.endpoint = urls.control_endpoint(config.name)
         self.lock = threading.Lock()
         self.tenants: dict[int, Tenant] = {}
+        # detached tenants and outgrown data areas, released by the data loop between batches
+        # (never under a running batch, and the scheduler is only ever touched by that thread)
+        self._retired: list[tuple[int, mailbox.Mailbox, object]] = []  # (fd, host mailbox, device region)
         self._next_id = 1
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
@@ -155,6 +145,7 @@ class LocalServer:
             with self.lock:
                 for t in list(self.tenants.values()):
                     self._reclaim(t, "executor shutting down")
+            self._release_retired()
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -171,9 +162,10 @@ class LocalServer:
         while True:
             seq = self.wake.seq()
             stopping = self.stopping.is_set()
+            self._release_retired()
             with self.lock:
                 tenants = list(self.tenants.values())
-                got = sum(self._drain(t, stopping) for t in tenants)
+                got = sum(self._drain_safely(t, stopping) for t in tenants)
             ran = False
             while True:
                 can_grow = self.core.scheduler.waiting_tenants() < len(tenants) and not stopping
@@ -195,10 +187,18 @@ class LocalServer:
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             self.wake.wait(seq, self.config.spin_us, max(0, int((until - time.monotonic()) * 1e6)))
 
+    def _drain_safely(self, t: Tenant, stopping: bool) -> int:
+        try:
+            return self._drain(t, stopping)
+        except Exception as e:  # whatever one tenant sends, the loop serves the others
+            log.exception("tenant %d broke the data loop", t.id)
+            self._reclaim(t, f"internal error on its call: {type(e).__name__}: {e}")
+            return 0
+
     def _drain(self, t: Tenant, stopping: bool) -> int:
         """Moves every call in t's request ring into the core (or answers it with an error)."""
         n = 0
-        while True:
+        while self.tenants.get(t.id) is t:  # an error reply may have detached it
             try:
                 raw = t.box.requests.pop()
             except ValueError as e:
@@ -210,6 +210,7 @@ class LocalServer:
             try:
                 req = pb.CallRequest.FromString(raw)
             except DecodeError as e:
+                self.core.counters.errors += 1
                 self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
                 continue
             if stopping:
@@ -220,6 +221,7 @@ class LocalServer:
             except CallError as e:
                 self.core.counters.errors += 1
                 self._reply_error(t, req.call_id, e)
+        return n
 
     def _to_call(self, t: Tenant, req: pb.CallRequest) -> Call:
         if req.payload:
@@ -229,14 +231,19 @@ class LocalServer:
         in_bytes = codec.nbytes(in_shape, dtype)
         out_bytes = codec.nbytes(out_shape, out_dtype)
         cap = t.data_bytes
+        if in_bytes + out_bytes > self.config.max_mailbox_bytes:
+            raise CallError(
+                pb.RESOURCE_EXHAUSTED,
+                f"call too large: input and output need {in_bytes + out_bytes} bytes, a mailbox may hold at most "
+                f"{self.config.max_mailbox_bytes} (--max-mailbox-mb)",
+            )
         for what, off, size, item in (("input", req.in_offset, in_bytes, dtype.itemsize), ("output", req.out_offset, out_bytes, out_dtype.itemsize)):
             if off % item:
                 raise CallError(pb.INVALID_ARGUMENT, f"{what} offset {off} is not aligned to {item} bytes")
             if off + size > cap:
                 raise CallError(
-                    pb.RESOURCE_EXHAUSTED,
-                    f"call too large for the mailbox: {what} needs bytes [{off}, {off + size}) but the data area holds "
-                    f"{cap} (grow the mailbox, at most {self.config.max_mailbox_bytes} bytes)",
+                    pb.INVALID_ARGUMENT,
+                    f"{what} bytes [{off}, {off + size}) lie outside the mailbox's data area of {cap} bytes (grow it first)",
                 )
         if t.gpu is not None:  # the GEMM waits on the GPU for the tenant's copy-in, not here
             torch.cuda.current_stream(self.core.device).wait_event(t.gpu.input_ready)
@@ -299,20 +306,32 @@ class LocalServer:
     def _check_liveness(self) -> None:
         with self.lock:
             for t in list(self.tenants.values()):
-                if not _alive(t.pid):
+                if not alive(t.pid):
                     self._reclaim(t, f"process {t.pid} is gone")
 
     def _reclaim(self, t: Tenant, why: str) -> None:
-        """Detaches t (caller holds the lock): its queued calls are dropped and its mailbox freed."""
+        """Detaches t (caller holds the lock). A tenant still waiting learns it from its mailbox;
+        its queued calls and memory are released by the data loop between batches."""
         if self.tenants.pop(t.id, None) is None:
             return
-        dropped = self.core.scheduler.drop_tenant(t.id)
-        t.box.close()
-        os.close(t.fd)
-        if t.gpu is not None:
-            t.gpu.free()
-        log.info("tenant %d (%s, pid %d) detached: %s%s", t.id, t.name, t.pid, why,
-                 f"; {dropped} queued calls dropped" if dropped else "")
+        t.box.mark_detached()
+        self._retired.append((t.fd, t.box, t.gpu))
+        self.wake.ring()
+        log.info("tenant %d (%s, pid %d) detached: %s", t.id, t.name, t.pid, why)
+
+    def _release_retired(self) -> None:
+        """Data loop only, between batches: drops retired tenants' queued calls, frees their areas."""
+        with self.lock:
+            retired, self._retired = self._retired, []
+        for fd, box, gpu in retired:
+            area = gpu or box  # calls still queued on it read it: they go first
+            dropped = self.core.scheduler.drop(lambda c: c.tag[1] is area)
+            if dropped:
+                log.info("%d queued calls on a released mailbox dropped", dropped)
+            box.close()
+            os.close(fd)
+            if gpu is not None:
+                gpu.free()
 
     # ---- control plane ------------------------------------------------------
 
@@ -418,16 +437,17 @@ class LocalServer:
                 pb.RESOURCE_EXHAUSTED,
                 f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
             )
+        # the outgrown area is released by the data loop; calls still queued on it get no reply
         if data_bytes > t.data_bytes and t.gpu is not None:
             old_gpu, t.gpu = t.gpu, self._new_region(data_bytes)
-            old_gpu.free()
+            fd, box = self._new_mailbox(t.id, 0)
+            self._retired.append((t.fd, t.box, old_gpu))
+            t.fd, t.box = fd, box
             log.info("tenant %d device mailbox grown to %d MiB", t.id, data_bytes >> 20)
         elif data_bytes > t.data_bytes:
             fd, box = self._new_mailbox(t.id, data_bytes)
-            old_fd, old = t.fd, t.box
+            self._retired.append((t.fd, t.box, None))
             t.fd, t.box = fd, box
-            old.close()
-            os.close(old_fd)
             log.info("tenant %d mailbox grown to %d MiB", t.id, data_bytes >> 20)
         return pb.ControlReply(
             status=_OK,

@@ -4,7 +4,7 @@ the tenant sits on the executor's GPU, device memory opened by CUDA IPC handle (
 executor's GEMM and the read are ordered by interprocess events; no host synchronisation)."""
 from __future__ import annotations
 
-import os
+import time
 
 import torch
 import zmq
@@ -20,11 +20,13 @@ from client.errors import (
 )
 from client.transport import Transport
 from proto import codec, mailbox, urls
+from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
 SPIN_US = 20
-LIVENESS_SLICE_US = 1_000_000
+LIVENESS_SLICE_US = 200_000
+CONTROL_SLICE_S = 0.2
 
 
 class LocalTransport(Transport):
@@ -49,10 +51,18 @@ class LocalTransport(Transport):
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         sock = self._socket()
         sock.send(request.SerializeToString())
-        if not sock.poll(int(timeout_s * 1000)):
+        deadline = time.monotonic() + timeout_s
+        answered = False
+        while not answered and time.monotonic() < deadline:
+            answered = bool(sock.poll(int(min(CONTROL_SLICE_S, max(deadline - time.monotonic(), 0)) * 1000)))
+            if not answered and self._executor_pid and not alive(self._executor_pid):
+                break
+        if not answered:
             # a DEALER would deliver the late reply to the next request: start over with a new socket
             sock.close()
             self._sock = None
+            if self._executor_pid and not alive(self._executor_pid):
+                raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) is gone")
             raise ExecutorUnavailableError(
                 f"no executor answered at {self.url} within {timeout_s:.0f} s (is `base-executor serve --listen {self.url}` running?)"
             )
@@ -109,6 +119,8 @@ class LocalTransport(Transport):
         if need > self._data_bytes:
             self._grow(need)
         box, gpu = self._box, self._gpu
+        if box.detached:
+            self._detached()
         request.in_offset, request.out_offset = 0, in_bytes
         self._view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
@@ -117,7 +129,7 @@ class LocalTransport(Transport):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring()
         reply = self._wait_reply(box, request.call_id)
-        raise_for_status(reply.status, f"{pb.Op.Name(request.op)} of {request.unit!r}")
+        raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
@@ -136,10 +148,20 @@ class LocalTransport(Transport):
                 if reply.call_id in (call_id, 0):
                     return reply
                 continue  # a stale reply of an abandoned call
-            if box.reply_bell.wait(seq, SPIN_US, LIVENESS_SLICE_US) == seq and not _alive(self._executor_pid):
-                self._teardown()
+            if box.detached:
+                self._detached()
+            if box.reply_bell.wait(seq, SPIN_US, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
                 self.tenant_id = 0
+                self._teardown()
                 raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
+
+    def _detached(self):
+        self.tenant_id = 0
+        self._teardown()
+        raise NotAttachedError(
+            f"the executor at {self.url} detached this tenant (its process was seen dead, it corrupted its ring, "
+            "or it left replies unread); connect again"
+        )
 
     def _teardown(self) -> None:
         if self._gpu is not None:
@@ -163,11 +185,5 @@ class LocalTransport(Transport):
             self._sock = None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def _op_name(op: int) -> str:
+    return pb.Op.Name(op) if op in pb.Op.values() else f"op {op}"
