@@ -41,11 +41,11 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def serve(model: str, url: str, device: str, dtype: str) -> subprocess.Popen:
+def serve(model: str, url: str, device: str, dtype: str, spin_us: int) -> subprocess.Popen:
     from client import ExecutorUnavailableError, connect
 
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
-           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"]
+           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0", "--spin-us", str(spin_us)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -77,6 +77,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--label", default="")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--spin-us", type=int, nargs="+", default=[20], help="spin before sleeping, both sides; one row per value")
+    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -96,11 +98,13 @@ def main() -> int:
             n: median_us(lambda x=torch.randn(n, HIDDEN): torch.nn.functional.linear(x, w), lambda: None, min(a.calls, 50))
             for n in TOKENS
         }
-        for name, ex_device, dtype, tenant_device in placements:
-            url = f"local://s6-{os.getpid()}-{name.replace('>', '').replace('-', '')}"
-            proc = serve(tmp, url, ex_device, dtype)
+        runs = [(f"{p[0]} spin {s}us" if len(a.spin_us) > 1 else p[0], s, *p[1:]) for p in placements for s in a.spin_us
+                if a.placements is None or p[0] in a.placements]
+        for name, spin, ex_device, dtype, tenant_device in runs:
+            url = f"local://s6-{os.getpid()}-{len(rows)}"
+            proc = serve(tmp, url, ex_device, dtype, spin)
             try:
-                conn = connect(url)
+                conn = connect(url, spin_us=spin)
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
                 tdtype = getattr(torch, dtype)

@@ -19,10 +19,14 @@ from proto import executor_pb2 as pb
 class Connection:
     """One tenant identity at one executor. Attaches on first use; close() detaches."""
 
-    def __init__(self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0):
+    def __init__(
+        self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None
+    ):
         self.url = url
         self.name = name or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
         self.transport: Transport = open_transport(url)
+        if spin_us is not None:
+            self.transport.spin_us = spin_us
         self._latency = latency
         self._mailbox_bytes = mailbox_mb << 20
         self._catalog: pb.CatalogReply | None = None

@@ -40,6 +40,7 @@ class LocalTransport(Transport):
         self._box: mailbox.Mailbox | None = None
         self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
         self._max_data = 0
+        self.spin_us = SPIN_US  # how long a call spins on its reply before sleeping in the kernel
 
     def _socket(self):
         if self._sock is None:
@@ -150,7 +151,7 @@ class LocalTransport(Transport):
                 continue  # a stale reply of an abandoned call
             if box.detached:
                 self._detached()
-            if box.reply_bell.wait(seq, SPIN_US, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
+            if box.reply_bell.wait(seq, self.spin_us, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
                 self.tenant_id = 0
                 self._teardown()
                 raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
