@@ -29,18 +29,10 @@ def start_executor(model: str, url: str, omp_policy: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": omp_policy}
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from client import ExecutorUnavailableError, connect
+    from client import wait_for_executor
 
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with connect(url) as c:
-                c.health()
-            return proc
-        except ExecutorUnavailableError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("executor did not start")
+    wait_for_executor(url, 300, proc)
+    return proc
 
 
 def lora(model):

@@ -42,19 +42,13 @@ def make_model(path: str) -> None:
 
 
 def serve(model: str, url: str, device: str, dtype: str, spin_us: int) -> subprocess.Popen:
-    from client import ExecutorUnavailableError, connect
+    from client import wait_for_executor
 
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
            "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0", "--spin-us", str(spin_us)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            with connect(url) as c:
-                c.health()
-            return proc
-        except ExecutorUnavailableError:
-            time.sleep(0.2)
-    raise SystemExit(f"executor {url} did not start")
+    wait_for_executor(url, 120, proc)
+    return proc
 
 
 def median_us(fn, sync, n: int = 200, warmup: int = 20) -> float:

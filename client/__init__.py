@@ -1,5 +1,5 @@
 """symbiont's tenant library: split a Hugging Face model so its frozen layers run in a base executor."""
-from client.connection import Connection, connect
+from client.connection import Connection, connect, wait_for_executor
 from client.errors import (
     DTypeMismatchError,
     ExecutorUnavailableError,
@@ -17,7 +17,7 @@ from client.shim import RemoteWeight, VirtLayer
 from client.virtualize import virtualize
 
 __all__ = [
-    "Connection", "connect", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
+    "Connection", "connect", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
     "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
 ]

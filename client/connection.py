@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import pathlib
 import tempfile
+import time
 
 import torch
 from torch import nn
@@ -101,6 +101,24 @@ class Connection:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_for_executor(url: str, timeout_s: float = 300.0, process=None) -> pb.HealthReply:
+    """Waits until an executor answers at `url` and returns its health. `process` (a Popen of
+    the executor, when the caller started it) makes a crash fail fast instead of timing out."""
+    from client.errors import ExecutorUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise ExecutorUnavailableError(f"the executor for {url} exited with code {process.returncode}")
+        with Connection(url) as conn:
+            try:
+                return conn.transport.control("health", pb.HealthRequest(), timeout_s=1.0).health
+            except ExecutorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise ExecutorUnavailableError(f"no executor answered at {url} within {timeout_s:.0f} s") from None
+        time.sleep(0.2)
 
 
 def connect(url: str = "local://symbiont", **kwargs) -> Connection:

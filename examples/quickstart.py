@@ -100,23 +100,6 @@ def _relay(proc: subprocess.Popen, tag: str) -> None:
         print(f"[{tag}] {line}", end="", flush=True)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    from client import ExecutorUnavailableError, connect
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the executor exited with code {proc.returncode}")
-        try:
-            with connect(url) as conn:
-                h = conn.health()
-            print(f"[quickstart] executor ready: model {h.model}", flush=True)
-            return
-        except ExecutorUnavailableError:
-            time.sleep(0.5)
-    raise SystemExit(f"no executor at {url} after {timeout_s:.0f} s")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--executor", help="address of a running executor (default: start one)")
@@ -142,7 +125,10 @@ def main() -> int:
         executor = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=_relay, args=(executor, "executor"), daemon=True).start()
     try:
-        _wait_ready(url, executor)
+        from client import wait_for_executor
+
+        health = wait_for_executor(url, 600, executor)
+        print(f"[quickstart] executor ready: model {health.model}", flush=True)
         tenants = {}
         for role in ("finetune", "generate"):
             cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--executor", url, "--steps", str(a.steps)]

@@ -7,27 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
-from proto import executor_pb2 as pb
+from client import wait_for_executor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()
-
-
-def _health(url: str, timeout_s: float) -> bool:
-    from client.transport import open_transport
-
-    t = open_transport(url)
-    try:
-        return t.control("health", pb.HealthRequest(), timeout_s=timeout_s).health.serving
-    except Exception:
-        return False
-    finally:
-        t.close()
 
 
 class Executor:
@@ -40,14 +27,11 @@ class Executor:
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", self.url, *flags]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + 180
-        while not _health(self.url, 1.0):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"executor exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"executor did not come up:\n{self.log()}")
-            time.sleep(0.2)
+        try:
+            wait_for_executor(self.url, 180, self.proc)
+        except Exception as e:
+            self.proc.kill()
+            raise RuntimeError(f"executor did not come up ({e}):\n{self.log()}") from None
 
     @property
     def pid(self) -> int:
