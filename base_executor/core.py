@@ -29,7 +29,13 @@ class CallError(Exception):
         self.message = message
 
     def status(self) -> pb.Status:
-        return pb.Status(code=self.code, message=self.message)
+        return pb.Status(code=self.code, message=clip(self.message))
+
+
+def clip(message: str, limit: int = 300) -> str:
+    """Status messages travel in ring slots of 508 bytes with the rest of the reply: keep them short."""
+    data = message.encode()
+    return message if len(data) <= limit else data[: limit - 3].decode(errors="ignore") + "..."
 
 
 @dataclasses.dataclass
@@ -118,8 +124,8 @@ class ExecutorCore:
 
     def _run(self, calls: list[Call]) -> list[Result]:
         """One GEMM over the calls' rows, split back per call."""
-        x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
         try:
+            x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = runner.run(calls[0].unit, calls[0].op, x)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1:

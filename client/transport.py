@@ -95,7 +95,12 @@ class Transport(abc.ABC):
             return self._call(req, x.detach().contiguous(), out_shape, out_dtype)
 
     def close(self) -> None:
-        """Detaches (the executor frees the mailbox) and releases local resources. Idempotent."""
+        """Detaches (the executor frees the mailbox) and releases local resources. Idempotent;
+        waits for a call in flight on another thread."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.tenant_id:
             try:
                 self.control("detach", pb.DetachRequest(), timeout_s=5.0)

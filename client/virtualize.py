@@ -53,11 +53,12 @@ _RUNTIME_KEYS = {
 }
 
 
+_PEFT_WRAPPING = {"base_layer", "original_module"}  # LoRA-style wrappers, modules_to_save
+
+
 def unit_path(name: str) -> str:
-    """The executor's unit id for a module path of a plain or PEFT-wrapped model."""
-    if name.startswith("base_model.model."):
-        name = name[len("base_model.model.") :]
-    return ".".join(p for p in name.split(".") if p != "base_layer")
+    """The executor's unit id for a module path of the transformers model under any PEFT wrapping."""
+    return ".".join(p for p in name.split(".") if p not in _PEFT_WRAPPING)
 
 
 def _shim_mixin(module: nn.Module, unit_id: str) -> type:
@@ -97,15 +98,16 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
 
     conn = executor if isinstance(executor, Connection) else connect(executor)
     catalog = conn.catalog()
-    config = getattr(model, "config", None)
-    if config is None and hasattr(model, "get_base_model"):
-        config = model.get_base_model().config
+    # a PeftModel's module names depend on the method (LoRA nests, prompt tuning does not):
+    # walk the transformers model inside it, whose paths are the unit ids
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(root, "config", None)
     if config is not None:
         check_config(config, catalog.config_json)
     served_dtype = codec.torch_dtype(catalog.dtype)
 
     by_unit: dict[str, list[tuple[str, nn.Module]]] = {}
-    for name, module in model.named_modules():
+    for name, module in root.named_modules():
         if isinstance(module, VirtLayer):
             raise ValueError(f"{name} is already virtualized (served by {module.transport.url})")
         by_unit.setdefault(unit_path(name), []).append((name, module))
@@ -136,10 +138,10 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
     for name, module, mixin, unit in plan:
         shim = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+        parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
     names = {name for name, *_ in plan}
-    leftovers = [n for n, m in model.named_modules() if n in names and not isinstance(m, VirtLayer)]
+    leftovers = [n for n, m in root.named_modules() if n in names and not isinstance(m, VirtLayer)]
     if leftovers:
         warnings.warn(f"modules still hold real weights after virtualize: {leftovers[:5]}")
     del plan

@@ -165,9 +165,11 @@ class Doorbell {
 
   uint32_t seq() { return seq_ref().load(std::memory_order_acquire); }
 
-  void ring() {
+  // wake_always: skip the waiter count, which a peer sharing this memory could forge to make
+  // every wake-up of the executor's wake word go missing; costs one syscall.
+  void ring(bool wake_always) {
     seq_ref().fetch_add(1, std::memory_order_acq_rel);
-    if (waiters_ref().load(std::memory_order_acquire) > 0) {
+    if (wake_always || waiters_ref().load(std::memory_order_acquire) > 0) {
       futex(seq_ptr(), FUTEX_WAKE, INT_MAX, nullptr);
     }
   }
@@ -234,6 +236,6 @@ PYBIND11_MODULE(_doorbell, m) {
   py::class_<Doorbell>(m, "Doorbell")
       .def(py::init<py::object, size_t>(), py::arg("buffer"), py::arg("offset"))
       .def("seq", &Doorbell::seq)
-      .def("ring", &Doorbell::ring)
+      .def("ring", &Doorbell::ring, py::arg("wake_always") = false)
       .def("wait", &Doorbell::wait, py::arg("seen"), py::arg("spin_us") = 50, py::arg("timeout_us") = -1);
 }

@@ -110,3 +110,45 @@ def test_model_to_moves_placeholders_but_not_dtype(executor):
     virt.to(torch.device("cpu"), torch.float32)
     with pytest.raises(RuntimeError, match="served by the base executor"):
         virt.to(torch.float16)
+
+
+def _peft(base, method: str):
+    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+
+    config = {
+        "prompt": PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4),
+        "prefix": PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4),
+        "lora+modules_to_save": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                                           init_lora_weights=False),
+    }[method]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix", "lora+modules_to_save"])
+def test_other_peft_methods_after_get_peft_model(executor, method):
+    """PEFT methods that only call their base layers: logits and adapter gradients match."""
+    ref = _peft(build_builtin("tiny-llama"), method)
+    virt = virtualize(_peft(build_builtin("tiny-llama"), method), executor.url)
+    assert any(isinstance(m, VirtLayer) for m in virt.modules())
+    x = ids(2, 7, seed=9)
+    for m in (ref, virt):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=x).logits, virt(input_ids=x).logits)
+
+
+def test_long_error_message_is_a_typed_error_not_a_detach(executor):
+    """A status that echoes a long tenant-supplied unit id must still fit its ring slot."""
+    from client import UnknownUnitError
+    from proto import executor_pb2 as pb
+
+    with connect(executor.url) as conn:
+        conn.ensure_attached()
+        with pytest.raises(UnknownUnitError):
+            conn.transport.call("x" * 400, pb.FORWARD, torch.randn(1, 64), (1, 64), torch.float32, pb.TRAINING)
+        virt = virtualize(build_builtin("tiny-llama"), conn)  # the same tenant is still attached and served
+        with torch.no_grad():
+            assert torch.equal(virt(ids(1, 5)).logits, build_builtin("tiny-llama")(ids(1, 5)).logits)

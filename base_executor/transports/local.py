@@ -25,7 +25,7 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
-from base_executor.core import CallError, ExecutorCore, Result
+from base_executor.core import CallError, ExecutorCore, Result, clip
 from base_executor.scheduler import Call
 from proto import codec, mailbox, urls
 from proto.procs import alive
@@ -251,6 +251,7 @@ class LocalServer:
         if x.device != self.core.device:
             x = x.to(self.core.device)
         if unit.kind == "embedding":
+            x = x.clone()  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
             self.core.check_ids(unit, x)
         return Call(
             tenant=t.id,
@@ -271,21 +272,12 @@ class LocalServer:
                 t, area, out_offset = r.call.tag
                 if self.tenants.get(t.id) is not t or (t.gpu or t.box) is not area:
                     continue  # detached or regrown mid-call: nobody to tell
-                if r.error is not None:
-                    self._push(t, pb.CallReply(call_id=r.call.call_id, status=r.error.status()))
-                else:
-                    y = r.y
-                    t.data_view(out_offset, y.shape, y.dtype).copy_(y)
-                    self._push(
-                        t,
-                        pb.CallReply(
-                            call_id=r.call.call_id,
-                            status=pb.Status(code=pb.OK),
-                            dtype=codec.dtype_enum(y.dtype),
-                            shape=list(y.shape),
-                            out_offset=out_offset,
-                        ),
-                    )
+                try:
+                    self._deliver_one(t, r, out_offset)
+                except Exception as e:  # one tenant's failed reply never stops the others'
+                    log.exception("delivering to tenant %d failed", t.id)
+                    self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
+                    continue
                 rung.add(t.id)
             for tid in rung:
                 t = self.tenants.get(tid)
@@ -293,6 +285,17 @@ class LocalServer:
                     if t.gpu is not None:  # the tenant's read waits on the GPU for our writes
                         t.gpu.output_ready.record(torch.cuda.current_stream(self.core.device))
                     t.box.reply_bell.ring()
+
+    def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> None:
+        if r.error is not None:
+            self._push(t, pb.CallReply(call_id=r.call.call_id, status=r.error.status()))
+            return
+        y = r.y
+        t.data_view(out_offset, y.shape, y.dtype).copy_(y)
+        reply = pb.CallReply(
+            call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape), out_offset=out_offset
+        )
+        self._push(t, reply)
 
     def _reply_error(self, t: Tenant, call_id: int, err: CallError) -> None:
         self._push(t, pb.CallReply(call_id=call_id, status=err.status()))
@@ -345,7 +348,7 @@ class LocalServer:
                 reply = self._control(payload)
             except Exception as e:  # a bug must not kill the control plane
                 log.exception("control request failed")
-                reply = pb.ControlReply(status=pb.Status(code=pb.INTERNAL, message=f"{type(e).__name__}: {e}"))
+                reply = pb.ControlReply(status=pb.Status(code=pb.INTERNAL, message=clip(f"{type(e).__name__}: {e}")))
             sock.send_multipart([identity, reply.SerializeToString()])
 
     def _control(self, payload: bytes) -> pb.ControlReply:

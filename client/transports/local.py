@@ -4,6 +4,7 @@ the tenant sits on the executor's GPU, device memory opened by CUDA IPC handle (
 executor's GEMM and the read are ordered by interprocess events; no host synchronisation)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -41,6 +42,8 @@ class LocalTransport(Transport):
         self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
         self._max_data = 0
         self.spin_us = SPIN_US  # how long a call spins on its reply before sleeping in the kernel
+        self._outstanding = 0  # call id of an interrupted call whose reply has not come yet
+        self._control_lock = threading.Lock()  # the DEALER socket is not thread-safe
 
     def _socket(self):
         if self._sock is None:
@@ -50,6 +53,10 @@ class LocalTransport(Transport):
         return self._sock
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
+        with self._control_lock:
+            return self._control_locked(request, timeout_s)
+
+    def _control_locked(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         sock = self._socket()
         sock.send(request.SerializeToString())
         deadline = time.monotonic() + timeout_s
@@ -86,6 +93,7 @@ class LocalTransport(Transport):
     def _map(self, region: pb.SharedRegion, data_bytes: int, cuda: pb.CudaRegion | None) -> None:
         if self._box is not None:
             self._box.close()
+            self._box = None
         if self._gpu is not None:
             self._gpu.close()
             self._gpu = None
@@ -122,14 +130,22 @@ class LocalTransport(Transport):
         box, gpu = self._box, self._gpu
         if box.detached:
             self._detached()
+        if self._outstanding:  # an interrupted call is still running there: let it finish first
+            self._wait_reply(box, self._outstanding)
+            self._outstanding = 0
         request.in_offset, request.out_offset = 0, in_bytes
         self._view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
             gpu.input_ready.record(torch.cuda.current_stream(self.device))
         if not box.requests.push(request.SerializeToString()):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-        self._wake.ring()
-        reply = self._wait_reply(box, request.call_id)
+        self._wake.ring(wake_always=True)
+        try:
+            reply = self._wait_reply(box, request.call_id)
+        except BaseException:
+            self._outstanding = request.call_id  # its late result would land on the next call's bytes
+            raise
+        self._outstanding = 0
         raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
