@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 # OpenMP threads that spin after each GEMM steal the cores tenants on the same host need
-# (measured on 2 cores: a SmolLM2 training pass 1.0 s spinning vs 0.33 s passive, 8 s vs 0.25 s
-# with a third busy process). libgomp reads this once, when torch loads: set it before that.
+# (benchmarks/RESULTS.md, CPU split tax: a training pass 3.4x slower with the executor spinning).
+# libgomp reads this once, when torch loads: set it before that.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
