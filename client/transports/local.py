@@ -123,16 +123,16 @@ class LocalTransport(Transport):
     def _call(self, request, x, out_shape, out_dtype):
         if self._box is None:
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
+        if self._box.detached:
+            self._detached()
+        if self._outstanding:  # an interrupted call is still running there: let it finish first
+            self._wait_reply(self._box, self._outstanding)  # before a grow replaces the rings its reply comes on
+            self._outstanding = 0
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
         if need > self._data_bytes:
             self._grow(need)
         box, gpu = self._box, self._gpu
-        if box.detached:
-            self._detached()
-        if self._outstanding:  # an interrupted call is still running there: let it finish first
-            self._wait_reply(box, self._outstanding)
-            self._outstanding = 0
         request.in_offset, request.out_offset = 0, in_bytes
         self._view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
