@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import warnings
 from typing import Callable
 
 import torch
@@ -125,12 +124,12 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
                 f"unit {unit.id!r}: the model holds {w.dtype}, the executor serves {served_dtype}; "
                 f"load the model with dtype={served_dtype}"
             )
-        if check_weights and w.device.type != "meta" and fingerprint(w) != unit.fingerprint:
-            raise ModelMismatchError(f"unit {unit.id!r}: weights differ from the served model's (shape {list(w.shape)})")
         if (unit.kind == "linear" and tuple(w.shape) != (unit.out_features, unit.in_features)) or (
             unit.kind != "linear" and tuple(w.shape) != (unit.in_features, unit.out_features)
         ):
             raise ModelMismatchError(f"unit {unit.id!r}: shape {list(w.shape)} differs from the served unit")
+        if check_weights and w.device.type != "meta" and fingerprint(w) != unit.fingerprint:
+            raise ModelMismatchError(f"unit {unit.id!r}: weights differ from the served model's (shape {list(w.shape)})")
         plan.append((name, module, mixin, unit))
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -140,10 +139,6 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
-    names = {name for name, *_ in plan}
-    leftovers = [n for n, m in root.named_modules() if n in names and not isinstance(m, VirtLayer)]
-    if leftovers:
-        warnings.warn(f"modules still hold real weights after virtualize: {leftovers[:5]}")
     del plan
     gc.collect()
     return model

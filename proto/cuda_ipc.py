@@ -79,8 +79,19 @@ def as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
 
 
+class _Area:
+    data: torch.Tensor  # uint8 [nbytes]
+
+    def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor at `offset` of the data area (no copy); the caller checks bounds."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return self.data[offset : offset + n * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
 @dataclasses.dataclass(eq=False)
-class DeviceRegion:
+class DeviceRegion(_Area):
     """Executor side: one tenant's device mailbox and its two events."""
 
     device: torch.device
@@ -114,7 +125,7 @@ class DeviceRegion:
 
 
 @dataclasses.dataclass(eq=False)
-class OpenedRegion:
+class OpenedRegion(_Area):
     """Tenant side: the executor's device mailbox mapped into this process, and its events."""
 
     device: torch.device

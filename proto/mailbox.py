@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 
+from proto import codec
 from proto._doorbell import Doorbell, Ring
 
 RING_SLOTS = 64
@@ -83,6 +84,10 @@ class Mailbox:
     @staticmethod
     def total_bytes(data_bytes: int) -> int:
         return DATA_OFFSET + data_bytes
+
+    def view(self, offset: int, shape, dtype):
+        """The tensor at `offset` of the data area (no copy); the caller checks bounds."""
+        return codec.view(self.mem, DATA_OFFSET + offset, shape, dtype)
 
     @property
     def detached(self) -> bool:

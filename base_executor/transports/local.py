@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 import os
 import secrets
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -75,12 +75,10 @@ class Tenant:
     def data_bytes(self) -> int:
         return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
 
-    def data_view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor at `offset` of the data area (no copy), on the host or the executor's GPU."""
-        if self.gpu is None:
-            return codec.view(self.box.mem, mailbox.DATA_OFFSET + offset, shape, dtype)
-        n = codec.nbytes(shape, dtype)
-        return self.gpu.data[offset : offset + n].view(dtype).view(tuple(shape))
+    @property
+    def area(self):
+        """Where this tenant's tensors live: its device region, else its host mailbox."""
+        return self.gpu or self.box
 
 
 def rss_anon_bytes() -> int:
@@ -107,11 +105,6 @@ class LocalServer:
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
         self.started = time.monotonic()
-        self.device_uuid = ""
-        if core.device.type == "cuda":
-            from proto.cuda_ipc import device_uuid
-
-            self.device_uuid = device_uuid(core.device)
         self.stopping = threading.Event()
         self._control_done = threading.Event()
 
@@ -247,11 +240,12 @@ class LocalServer:
                 )
         if t.gpu is not None:  # the GEMM waits on the GPU for the tenant's copy-in, not here
             torch.cuda.current_stream(self.core.device).wait_event(t.gpu.input_ready)
-        x = t.data_view(req.in_offset, in_shape, dtype)
+        x = t.area.view(req.in_offset, in_shape, dtype)
         if x.device != self.core.device:
-            x = x.to(self.core.device)
-        if unit.kind == "embedding":
+            x = x.to(self.core.device)  # a copy
+        elif unit.kind == "embedding":
             x = x.clone()  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
+        if unit.kind == "embedding":
             self.core.check_ids(unit, x)
         return Call(
             tenant=t.id,
@@ -262,7 +256,7 @@ class LocalServer:
             out_shape=out_shape,
             latency=req.latency,
             arrived=time.monotonic(),
-            tag=(t, t.gpu or t.box, req.out_offset),
+            tag=(t, t.area, req.out_offset),
         )
 
     def _deliver(self, results: list[Result]) -> None:
@@ -270,7 +264,7 @@ class LocalServer:
         with self.lock:
             for r in results:
                 t, area, out_offset = r.call.tag
-                if self.tenants.get(t.id) is not t or (t.gpu or t.box) is not area:
+                if self.tenants.get(t.id) is not t or t.area is not area:
                     continue  # detached or regrown mid-call: nobody to tell
                 try:
                     self._deliver_one(t, r, out_offset)
@@ -291,7 +285,7 @@ class LocalServer:
             self._push(t, pb.CallReply(call_id=r.call.call_id, status=r.error.status()))
             return
         y = r.y
-        t.data_view(out_offset, y.shape, y.dtype).copy_(y)
+        t.area.view(out_offset, y.shape, y.dtype).copy_(y)
         reply = pb.CallReply(
             call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape), out_offset=out_offset
         )
@@ -394,7 +388,7 @@ class LocalServer:
         if a.pid <= 0:
             return _error(pb.INVALID_ARGUMENT, f"attach needs the tenant's pid, got {a.pid}")
         size = a.mailbox_bytes or self.config.mailbox_bytes
-        on_gpu = bool(a.device_uuid) and a.device_uuid == self.device_uuid
+        on_gpu = bool(a.device_uuid) and a.device_uuid == self.catalog.device_uuid
         if size > self.config.max_mailbox_bytes:
             return _error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
         with self.lock:

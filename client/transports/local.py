@@ -87,28 +87,26 @@ class LocalTransport(Transport):
         self._executor_pid = reply.wake.owner_pid
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
-        self._map(reply.mailbox, reply.data_bytes, reply.cuda if reply.HasField("cuda") else None)
+        self._map(reply)
         self._max_data = reply.max_mailbox_bytes
 
-    def _map(self, region: pb.SharedRegion, data_bytes: int, cuda: pb.CudaRegion | None) -> None:
+    def _map(self, reply: pb.AttachReply | pb.GrowReply) -> None:
+        """Maps the mailbox (and device region) an attach or grow reply names, dropping the old."""
         if self._box is not None:
             self._box.close()
             self._box = None
         if self._gpu is not None:
             self._gpu.close()
             self._gpu = None
-        self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), data_bytes)
-        self._data_bytes = data_bytes
-        if cuda is not None:
+        on_gpu = reply.HasField("cuda")
+        region = reply.mailbox
+        self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), 0 if on_gpu else reply.data_bytes)
+        self._data_bytes = reply.data_bytes
+        if on_gpu:
             from proto.cuda_ipc import OpenedRegion
 
-            self._gpu = OpenedRegion.open(self.device, cuda.size, cuda.mem_handle, cuda.input_ready, cuda.output_ready)
-            self._data_bytes = cuda.size
-
-    def _view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        if self._gpu is None:
-            return codec.view(self._box.mem, mailbox.DATA_OFFSET + offset, shape, dtype)
-        return self._gpu.data[offset : offset + codec.nbytes(shape, dtype)].view(dtype).view(tuple(shape))
+            c = reply.cuda
+            self._gpu = OpenedRegion.open(self.device, c.size, c.mem_handle, c.input_ready, c.output_ready)
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -117,8 +115,7 @@ class LocalTransport(Transport):
                 "(split the batch, or start the executor with a larger --max-mailbox-mb)"
             )
         want = min(max(need, 2 * self._data_bytes), self._max_data)
-        reply = self.control("grow", pb.GrowRequest(data_bytes=want)).grow
-        self._map(reply.mailbox, reply.data_bytes if not reply.HasField("cuda") else 0, reply.cuda if reply.HasField("cuda") else None)
+        self._map(self.control("grow", pb.GrowRequest(data_bytes=want)).grow)
 
     def _call(self, request, x, out_shape, out_dtype):
         if self._box is None:
@@ -134,7 +131,8 @@ class LocalTransport(Transport):
             self._grow(need)
         box, gpu = self._box, self._gpu
         request.in_offset, request.out_offset = 0, in_bytes
-        self._view(0, x.shape, x.dtype).copy_(x)
+        area = gpu or box
+        area.view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
             gpu.input_ready.record(torch.cuda.current_stream(self.device))
         if not box.requests.push(request.SerializeToString()):
@@ -151,9 +149,9 @@ class LocalTransport(Transport):
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
             torch.cuda.current_stream(self.device).wait_event(gpu.output_ready)
-            return self._view(reply.out_offset, out_shape, out_dtype).clone()
+            return area.view(reply.out_offset, out_shape, out_dtype).clone()
         y = torch.empty(out_shape, dtype=out_dtype)
-        y.copy_(self._view(reply.out_offset, out_shape, out_dtype))
+        y.copy_(area.view(reply.out_offset, out_shape, out_dtype))
         return y if x.device.type == "cpu" else y.to(x.device)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
