@@ -23,7 +23,8 @@ from base_executor.kernels.atmm_ref import (  # noqa: E402
 from base_executor.kernels.lora_merge import (  # noqa: E402
     delora_, merge_lora_, plan_delora, plan_merge, unmerge_lora_)
 from base_executor.kernels.tiling import ShapeClass, TileConfig, TilingTable  # noqa: E402
-from base_executor.kernels.tune_atmm import main as tune_main, model_shapes  # noqa: E402
+from base_executor.kernels.timing import interleaved_us, paired_ratio, quantile  # noqa: E402
+from base_executor.kernels.tune_atmm import choose_tiling, main as tune_main, model_shapes, rank_mixes  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float16]
@@ -77,6 +78,7 @@ CONFIGS = {
     "split_k3": TileConfig(mode="split", block_m=32, block_k=64, block_n=64, split=3),
     "fused": TileConfig(mode="fused", block_m=16, block_k=64, block_n=32, split=1),
     "fused_n3": TileConfig(mode="fused", block_m=64, block_k=32, block_n=16, split=3),
+    "fused_n64": TileConfig(mode="fused", block_m=16, block_k=32, block_n=32, split=64),  # > column blocks
 }
 
 
@@ -84,7 +86,8 @@ CONFIGS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_atmm_matches_reference(layout, cfg, dtype):
-    if layout == "many_adapters" and (dtype == torch.float16 or cfg in ("split", "fused")) and not HAS_CUDA:
+    if layout == "many_adapters" and (dtype == torch.float16 or cfg in ("split", "fused", "fused_n64")) \
+            and not HAS_CUDA:
         pytest.skip("slow in the interpreter; bf16 with split_k3 and fused_n3 cover this layout on CPU")
     seg_lens, seg_slots, ranks = LAYOUTS[layout]
     h_in, h_out = 96, 80  # block_k 64 leaves a partial K step, block_n never divides 80 evenly
@@ -112,6 +115,20 @@ def test_atmm_default_table_many_tokens_and_column_slice():
     ref = atmm_ref(x, before[:, 32:80].clone(), pool, seg_lens, seg_slots)
     check_rows(wide[:, 32:80], before[:, 32:80], ref, seg_lens, seg_slots, dtype)
     assert torch.equal(wide[:, :32], before[:, :32]) and torch.equal(wide[:, 80:], before[:, 80:])
+
+
+def test_one_plan_serves_every_layer():
+    """A plan is built once per batch and reused by layers of other widths and pools."""
+    dtype, ranks = torch.bfloat16, [16, 64, 8]
+    seg_lens, seg_slots = [3, 9, 2, 6], [2, 0, -1, 1]
+    plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
+    x = torch.randn(sum(seg_lens), 64, device=DEV).to(dtype)
+    for h_out, cfg in ((48, "fused_n3"), (16, "split_k3"), (48, "fused_n3"), (16, "fused")):
+        pool = make_pool(ranks, 64, h_out, dtype)
+        y0 = torch.randn(sum(seg_lens), h_out, device=DEV).to(dtype)
+        out = atmm(x, y0.clone(), pool, plan, config=CONFIGS[cfg])
+        check_rows(out, y0, atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots), seg_lens, seg_slots, dtype)
+    assert len(plan.launches) == 3  # (64, 48, fused_n3) resolved once, reused with another pool
 
 
 def test_atmm_negative_scale_and_no_adapter_batch():
@@ -308,6 +325,43 @@ def test_tune_atmm_model_shapes(tmp_path):
         assert tune_main(["--model", "llama-1b", "--out", str(tmp_path / "x.json")]) == 2
 
 
+def test_rank_mixes_cover_the_classes_benchmarked():
+    assert rank_mixes(128) == [(128, 64, 32, 16, 8), (64, 128)]
+    assert rank_mixes(64) == [(64, 32, 16, 8), (32, 64)]
+    assert rank_mixes(16) == [(16, 8)]  # (8, 16) is the same mix
+    assert rank_mixes(8) == [(8,)]
+
+
+def test_choose_tiling_keeps_static_unless_a_clear_win_on_every_mix():
+    static, fast, noisy = (TileConfig(mode="fused", block_m=bm, block_k=64, block_n=64) for bm in (16, 32, 64))
+    rounds = 15
+    steady = lambda us: [us] * rounds  # noqa: E731
+    # fast: 10% faster than static on both mixes, every round
+    mixes = [{static: steady(10.0), fast: steady(9.0), noisy: steady(10.0)},
+             {static: steady(20.0), fast: steady(18.0), noisy: steady(20.0)}]
+    assert choose_tiling(mixes, static) == (fast, pytest.approx(10 / 9))
+    # wins on one mix, loses on the other: static stays
+    mixes[1][fast] = steady(21.0)
+    assert choose_tiling(mixes, static) == (static, 1.0)
+    # median 6% faster but slower in half of the rounds minus one: not a clear win
+    jumpy = [9.4] * 8 + [10.5] * 7
+    assert choose_tiling([{static: steady(10.0), noisy: jumpy}], static) == (static, 1.0)
+    # 3% faster every round: under the margin
+    assert choose_tiling([{static: steady(10.0), fast: steady(9.7)}], static)[0] == static
+
+
+def test_interleaved_timing_rotates_the_order():
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    samples = interleaved_us(fns, rounds=4, window_ms=0.001, sync=lambda: None)
+    assert {k: len(v) for k, v in samples.items()} == {"a": 4, "b": 4, "c": 4}
+    timed = calls[3 * 8:]  # after each call's warm-up (3) and calibration (5) calls
+    firsts = [timed[i] for i in range(0, len(timed), len(timed) // 4)]
+    assert firsts == ["a", "b", "c", "a"]
+    assert paired_ratio({"a": [2.0, 4.0, 6.0], "b": [1.0, 1.0, 2.0]}, "a", "b") == 3.0
+    assert quantile([4.0, 1.0, 3.0, 2.0, 5.0], 0.25) == 2.0
+
+
 # ---- model-sized cases on a GPU -----------------------------------------------------------
 
 @gpu
@@ -334,13 +388,13 @@ def test_gpu_atmm_model_shapes_all_candidates(tokens, adapters):
 @needs_cuda
 def test_gpu_fast_launch_reuses_only_matching_specialisation():
     """Repeat launches skip Triton's binder; a misaligned output slice gets its own kernel."""
-    from base_executor.kernels import atmm as atmm_mod
+    from base_executor.kernels import atmm_fused, triton_launch
     dtype, ranks = torch.bfloat16, [16, 128, 8]
     pool = make_pool(ranks, 256, 192, dtype)
     seg_lens, seg_slots = [5, 9, 2], [0, 1, 2]
     plan = plan_segments(seg_lens, seg_slots, ranks, DEV)
     cfg = TileConfig(mode="fused", block_m=16, block_k=64, block_n=64, split=2)
-    before = len(atmm_mod._launch_fused.compiled)
+    before = len(atmm_fused._KERNELS.compiled)
     for offset in (0, 0, 1, 1, 0):  # a column offset of 1 element breaks 16-byte alignment
         x = torch.randn(16, 256, device=DEV).to(dtype)
         wide = torch.randn(16, 200, device=DEV).to(dtype)
@@ -348,8 +402,10 @@ def test_gpu_fast_launch_reuses_only_matching_specialisation():
         atmm(x, wide[:, offset:offset + 192], pool, plan, config=cfg)
         ref = atmm_ref(x, y0.clone(), pool, seg_lens, seg_slots)
         check_rows(wide[:, offset:offset + 192], y0, ref, seg_lens, seg_slots, dtype)
-    assert atmm_mod._Launcher.enabled
-    assert len(atmm_mod._launch_fused.compiled) - before == 2
+    assert triton_launch.CompiledKernels.enabled
+    assert len(atmm_fused._KERNELS.compiled) - before == 2
+    (launch,) = plan.launches.values()
+    assert len(launch.launch.runners) == 2  # one runner per specialisation, called directly
 
 
 @gpu

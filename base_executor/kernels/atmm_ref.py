@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .atmm import LoraPool
+from .lora_pool import LoraPool
 
 
 def pool_adapter(pool: LoraPool, slot: int) -> tuple[torch.Tensor, torch.Tensor, float]:

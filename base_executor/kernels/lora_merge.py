@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .atmm import LoraPool, SegmentPlan, _mma, atmm, plan_segments
+from .atmm import atmm
+from .atmm_tiles import mma
+from .lora_pool import LoraPool
+from .segment_plan import SegmentPlan, plan_segments
 from .tiling import TilingTable
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,7 +68,7 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
             else:
                 bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = _mma(bt, at, acc, UPCAST)
+            acc = mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + tl.program_id(1)) * sign
         w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
         if EVEN:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "symbiont-atmm-tiling"
-VERSION = 1
+VERSION = 2  # 2: fused column groups adjacent in the grid (2026-11-22); tables of 1 timed the old order
 MAX_RANK = 128
 # Token-tile heights for which a segment plan prebuilds its tile map.
 BLOCK_MS = (16, 32, 64, 128)
@@ -265,7 +265,7 @@ def candidate_configs(quick: bool = False) -> list[TileConfig]:
              (64, 128, 128, 8, 3), (128, 64, 128, 8, 3), (64, 64, 256, 8, 3)]
     out: list[TileConfig] = []
     for bm, bk, bn, w, s in fused:
-        for sp in ((4, 16) if quick else (1, 4, 16, 64)):
+        for sp in ((4, 16) if quick else (1, 2, 4, 8, 16, 64)):
             out.append(TileConfig(mode="fused", block_m=bm, block_k=bk, block_n=bn, split=sp,
                                   num_warps=w, num_stages=s))
     for bm, bk, bn, w, s in split:

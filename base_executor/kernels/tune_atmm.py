@@ -1,11 +1,19 @@
 """`tune-atmm --model MODEL [--out PATH]`: profile ATMM tilings, keep the best per shape class.
 
 For every (h_in, h_out) projection the model has (q/o, k/v, gate/up, down) and every
-class of tokens × adapters × rank bucket, time each candidate tiling of tiling.py with
-launches included (a call must be cheap to issue), pick the fastest, and save the table
-for this GPU (VaLoRA Appendix A, with Triton tilings in place of CUTLASS ones). The one
-config best over all classes is stored as `static_best`; a class keeps the static
-config unless another one beats it by more than the noise margin.
+class of tokens × adapters × rank bucket, time the candidate tilings of tiling.py with
+launches included (a call must be cheap to issue) and save the table for this GPU
+(VaLoRA Appendix A, with Triton tilings in place of CUTLASS ones).
+
+The table is never slower than the best single static tiling by construction:
+1. every candidate is timed once per class; the few with the best geometric mean of
+   (time / the class's best time) are re-timed interleaved on every class, and the best
+   of those is the static tiling, stored in the table as `static_best`;
+2. each class's three fastest candidates are re-timed interleaved against the static
+   tiling (timing.interleaved_us: round-robin, many rounds) on every rank mix the class
+   stands for, and a class takes another tiling only where it beats the static one on
+   every mix by MARGIN (median of the per-round ratios) and in at least three rounds
+   of four; otherwise the class keeps the static tiling.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .tiling import DEFAULT_PATH, ShapeClass, TileConfig, TilingTable, candidate_configs, gpu_name
+from .timing import interleaved_us, quantile, time_us
 
 # Shapes of the named models (BENCHMARKS.md): hidden, MLP width, attention heads, KV heads.
 MODELS = {
@@ -30,8 +39,11 @@ MODELS = {
 }
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (1, 4, 16, 64)
-RANKS = (16, 32, 64, 128)  # largest rank of a batch; profiled with rank_mix
-NOISE = 1.05  # a class keeps the static config unless another is faster by more than 5%
+RANKS = (16, 32, 64, 128)  # largest rank of a batch; profiled with rank_mixes
+MARGIN = 1.05       # a class leaves the static tiling only for one >= 5% faster on every rank mix ...
+WIN_QUARTILE = 1.0  # ... and faster in at least 3 rounds of 4 (lower quartile of the per-round ratios)
+ROUNDS = 15         # interleaved rounds per class and rank mix
+STATIC_FINALISTS = 4
 
 
 def model_shapes(model: str) -> list[tuple[int, int]]:
@@ -54,29 +66,6 @@ def model_shapes(model: str) -> list[tuple[int, int]]:
     return list(dict.fromkeys(pairs))
 
 
-def time_us(fn: Callable[[], object], *, target_ms: float = 2.0, repeats: int = 5) -> float:
-    """Median microseconds per call of `fn` issued back to back (launch cost included)."""
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    per = max((time.perf_counter() - t0) / 5, 1e-6)
-    n = int(min(500, max(5, target_ms * 1e-3 / per)))
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(samples)
-
-
 def synthetic_batch(tokens: int, adapters: int, ranks: Sequence[int], h_in: int, h_out: int, dtype,
                     device="cuda"):
     """x, y, pool, plan for `tokens` rows split evenly over `adapters` adapters of `ranks` (cycled)."""
@@ -94,45 +83,76 @@ def synthetic_batch(tokens: int, adapters: int, ranks: Sequence[int], h_in: int,
     return x, y, pool, plan, seg_lens, seg_slots
 
 
-def rank_mix(max_rank: int) -> tuple[int, ...]:
-    """Ranks a class of largest rank `max_rank` is profiled with: halving down to 8 (128 -> 128..8)."""
-    out = [max_rank]
-    while out[-1] // 2 >= 8:
-        out.append(out[-1] // 2)
-    return tuple(out)
+def rank_mixes(max_rank: int) -> list[tuple[int, ...]]:
+    """Rank mixes that a class of largest rank `max_rank` stands for (adapter i gets mix[i % len]).
+
+    The first, halving down to 8 (128 -> 128, 64, 32, 16, 8), is the one every candidate
+    is timed on; a tiling that replaces the static one must also win on the second,
+    the top two ranks (128 -> 64, 128).
+    """
+    halving = [max_rank]
+    while halving[-1] // 2 >= 8:
+        halving.append(halving[-1] // 2)
+    top = [max_rank // 2, max_rank] if max_rank >= 16 else [max_rank]
+    mixes = [tuple(halving), tuple(top)]
+    return [m for i, m in enumerate(mixes) if set(m) not in [set(p) for p in mixes[:i]]]
 
 
-def compare_us(fns: dict, rounds: int = 3) -> dict:
-    """Per key, median microseconds over `rounds` interleaved measurements (drift hits all alike)."""
-    samples: dict = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            samples[k].append(time_us(fn, repeats=3))
-    return {k: statistics.median(v) for k, v in samples.items()}
+def choose_tiling(per_mix: Sequence[dict], static: TileConfig, *, margin: float = MARGIN,
+                  win_quartile: float = WIN_QUARTILE) -> tuple[TileConfig, float]:
+    """The static tiling, unless a candidate beats it on every mix; returns (choice, its gain).
+
+    per_mix: per rank mix, {tiling: [us per round]} from interleaved_us, `static` among
+    the keys. The gain of a candidate is the smallest over mixes of the median of the
+    per-round ratios static / candidate; it must be >= margin, and the lower quartile of
+    those ratios > win_quartile on every mix. The largest qualifying gain wins.
+    """
+    best, best_gain = static, 1.0
+    for c in per_mix[0]:
+        if c == static or any(c not in m for m in per_mix):
+            continue
+        ratios = [[s / t for s, t in zip(m[static], m[c])] for m in per_mix]
+        gain = min(statistics.median(r) for r in ratios)
+        if gain >= margin and min(quantile(r, 0.25) for r in ratios) > win_quartile and gain > best_gain:
+            best, best_gain = c, gain
+    return best, best_gain
+
+
+def _gmean(values) -> float:
+    values = list(values)
+    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def tune(shapes: Sequence[tuple[int, int]], *, tokens=TOKENS, adapters=ADAPTERS, ranks=RANKS,
-         candidates: Sequence[TileConfig] | None = None, log=print) -> tuple[TilingTable, dict]:
-    """Profile every candidate on every class; returns the table and {class: {config: us}}.
-
-    Pass 1 times every candidate once per class and picks the static config (best
-    geometric mean over classes). Pass 2 re-times, interleaved, each class's three
-    fastest and the static config, and keeps the static one unless beaten by > NOISE.
-    """
+         candidates: Sequence[TileConfig] | None = None, rounds: int = ROUNDS,
+         log=print) -> tuple[TilingTable, dict]:
+    """Profile the candidates on every class (module docstring); returns the table and pass-1 times."""
     import torch
     from .atmm import atmm
     candidates = list(candidates or candidate_configs())
     classes = [(h_in, h_out, t, n, r) for h_in, h_out in shapes for t in tokens
                for n in sorted({min(a, t) for a in adapters}) for r in ranks]
-    batch = lambda h_in, h_out, t, n, r: synthetic_batch(t, n, rank_mix(r), h_in, h_out, torch.bfloat16)[:4]  # noqa: E731
+    batches: dict = {}
+
+    def batch(h_in, h_out, t, n, mix):  # x, y, pool, plan; the last class's batches kept
+        key = (h_in, h_out, t, n, mix)
+        if key not in batches:
+            batches.clear()
+            batches[key] = synthetic_batch(t, n, mix, h_in, h_out, torch.bfloat16)[:4]
+        return batches[key]
+
+    def runs(b, cfgs):
+        x, y, pool, plan = b
+        return {c: (lambda c=c: atmm(x, y, pool, plan, config=c)) for c in cfgs}
+
+    # Pass 1: every candidate once per class, on the class's first rank mix.
     times: dict[ShapeClass, dict[TileConfig, float]] = {}
     for h_in, h_out, t, n, r in classes:
         cls = ShapeClass.of(t, n, r, h_in, h_out)
-        x, y, pool, plan = batch(h_in, h_out, t, n, r)
         row = {}
-        for cfg in candidates:
+        for cfg, fn in runs(batch(h_in, h_out, t, n, rank_mixes(r)[0]), candidates).items():
             try:
-                row[cfg] = time_us(lambda: atmm(x, y, pool, plan, config=cfg))
+                row[cfg] = time_us(fn, target_ms=1.0, repeats=3)
             except Exception as e:  # a tiling this GPU cannot launch: skip it
                 log(f"  skip {cfg.short()} on {cls}: {type(e).__name__}: {str(e)[:120]}")
         if not row:
@@ -140,31 +160,50 @@ def tune(shapes: Sequence[tuple[int, int]], *, tokens=TOKENS, adapters=ADAPTERS,
             continue
         times[cls] = row
         best = min(row, key=row.get)
-        log(f"{h_in}x{h_out} tokens={t} adapters={n} ranks<={r}: best {best.short()} {row[best]:.1f} us")
-    # One static config: best geometric mean of (time / best time of the class) over all classes.
+        log(f"pass 1 {h_in}x{h_out} tokens={t} adapters={n} ranks<={r}: best {best.short()} {row[best]:.1f} us")
+    if not times:
+        raise RuntimeError("no candidate tiling ran on any class")
+
+    # The static tiling: best geometric mean of (time / class best), finalists re-timed interleaved.
     common = [c for c in candidates if all(c in row for row in times.values())]
-    def gmean_ratio(c: TileConfig) -> float:
-        return math.exp(statistics.fmean(math.log(row[c] / min(row.values())) for row in times.values()))
-    static = min(common, key=gmean_ratio) if common else None
+    ranked = sorted(common, key=lambda c: _gmean(row[c] / min(row.values()) for row in times.values()))
+    finalists = ranked[:STATIC_FINALISTS]
+    static_rel: dict[TileConfig, list[float]] = {c: [] for c in finalists}
+    for h_in, h_out, t, n, r in classes:
+        if ShapeClass.of(t, n, r, h_in, h_out) not in times:
+            continue
+        samples = interleaved_us(runs(batch(h_in, h_out, t, n, rank_mixes(r)[0]), finalists), rounds=5)
+        med = {c: statistics.median(v) for c, v in samples.items()}
+        for c in finalists:
+            static_rel[c].append(med[c] / min(med.values()))
+    static = min(finalists, key=lambda c: _gmean(static_rel[c]))
+    log(f"static tiling {static.short()}: geometric mean {_gmean(static_rel[static]):.3f}x the best finalist "
+        f"per class (finalists: " + ", ".join(f"{c.short()} {_gmean(v):.3f}" for c, v in static_rel.items()) + ")")
+
+    # Pass 2: per class, the three fastest against the static tiling, on every rank mix.
     entries, timings = {}, {}
     for h_in, h_out, t, n, r in classes:
         cls = ShapeClass.of(t, n, r, h_in, h_out)
         if cls not in times:
             continue
         row = times[cls]
-        finalists = sorted(row, key=row.get)[:3] + ([static] if static else [])
-        x, y, pool, plan = batch(h_in, h_out, t, n, r)
-        again = compare_us({c: (lambda c=c: atmm(x, y, pool, plan, config=c)) for c in finalists})
-        best = min(again, key=again.get)
-        chosen = static if static and again[static] <= NOISE * again[best] else best
+        finalists = [c for c in sorted(row, key=row.get) if c != static][:3] + [static]
+        per_mix = [interleaved_us(runs(batch(h_in, h_out, t, n, mix), finalists), rounds=rounds)
+                   for mix in rank_mixes(r)]
+        chosen, gain = choose_tiling(per_mix, static)
         entries[cls] = chosen
-        timings[cls] = {"us": round(again[chosen], 2), "best_us": round(again[best], 2),
-                        **({"static_us": round(again[static], 2)} if static else {})}
+        med = {c: statistics.median(v) for c, v in per_mix[0].items()}
+        timings[cls] = {"us": round(med[chosen], 2), "static_us": round(med[static], 2),
+                        "gain_vs_static": round(gain, 3), "mixes": [list(m) for m in rank_mixes(r)]}
+        log(f"pass 2 {h_in}x{h_out} tokens={t} adapters={n} ranks<={r}: {chosen.short()} {med[chosen]:.1f} us, "
+            f"static {med[static]:.1f} us, gain {gain:.2f}")
     import triton
     meta = {"triton": triton.__version__, "torch": torch.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": len(candidates)}
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": len(candidates),
+            "method": f"static = best of {STATIC_FINALISTS} finalists by geometric mean; a class leaves it only "
+                      f"for a tiling with median per-round speed-up >= {MARGIN} and lower quartile > "
+                      f"{WIN_QUARTILE} on every rank mix, {rounds} interleaved rounds"}
     return TilingTable(gpu_name(), entries, static_best=static, meta=meta, timings=timings), times
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tune-atmm", description=__doc__.splitlines()[0])
