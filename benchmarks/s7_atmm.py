@@ -97,7 +97,7 @@ def bench_atmm(table: TilingTable, log) -> list[dict]:
                 samples = interleaved_us(fns, rounds=ROUNDS, window_ms=WINDOW_MS)
                 med = {k: statistics.median(v) for k, v in samples.items()}
                 row = {"ranks": mix, "tokens": t, "adapters": n, "max_rank": plan.max_rank,
-                       "tuned_config": tuned.short(), "static_config": static.short() if static else None,
+                       "tuned_config": tuned.short(), "tuned_tiling": tuned.to_dict(), "static_config": static.short() if static else None,
                        "same_tiling": tuned == static, "rel_err_vs_padded": err,
                        "atmm_us": med["tuned"], "padded_us": med["padded"], "static_us": med.get("static"),
                        "vs_padded": paired_ratio(samples, "padded", "tuned"),
@@ -115,6 +115,40 @@ def bench_atmm(table: TilingTable, log) -> list[dict]:
                     f"  x{row['vs_padded']:.2f}  tuned/static x{row.get('tuned_vs_static', 1.0):.3f}"
                     f"{' (same tiling)' if row['same_tiling'] else ''}  err {err:.1e} [{tuned.short()}]")
     return rows
+
+
+def miss_probe(row: dict) -> dict:
+    """Where ATMM missed 2x: the weight bytes each side streams, GPU times (graph replay) of
+    ATMM and of each of its kernels, and a device-to-device copy of as many bytes."""
+    from base_executor.kernels.atmm_split import SplitLaunch
+    x, y, pool, plan, seg_lens, seg_slots = synthetic_batch(row["tokens"], row["adapters"], RANK_MIXES[row["ranks"]],
+                                                            HIDDEN, HIDDEN, torch.bfloat16)
+    pb = prepare_padded(pool, seg_lens, seg_slots)
+    cfg = TileConfig.from_dict(row["tuned_tiling"])
+    run = lambda: atmm(x, y, pool, plan, config=cfg)  # noqa: E731
+    run()
+    ranks = [RANK_MIXES[row["ranks"]][i % len(RANK_MIXES[row["ranks"]])] for i in range(row["adapters"])]
+    atmm_bytes = sum(ranks) * 2 * HIDDEN * 2                    # A and B rows, bf16
+    padded_bytes = (pb.a_pad.numel() + pb.b_pad.numel()) * 2
+    out = {"class": f"{row['ranks']} T={row['tokens']} n={row['adapters']}", "tiling": row["tuned_config"],
+           "atmm_weight_MB": atmm_bytes / 1e6, "padded_weight_MB": padded_bytes / 1e6,
+           "atmm_gpu_us": graph_us(run), "padded_gpu_us": graph_us(lambda: atmm_padded_bmm(x, y, pb))}
+    launch = plan.launches[(HIDDEN, HIDDEN, cfg, None)]
+    if isinstance(launch, SplitLaunch):
+        for part, other in (("shrink", "expand"), ("expand", "shrink")):
+            kept = getattr(launch, other)
+            setattr(launch, other, lambda spec, args: None)
+            try:
+                out[f"{part}_gpu_us"] = graph_us(run)
+            finally:
+                setattr(launch, other, kept)
+    src = torch.empty(atmm_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    out["copy_gpu_us"] = graph_us(lambda: dst.copy_(src))       # reads and writes atmm_bytes each
+    out["copy_TBps"] = 2 * atmm_bytes / out["copy_gpu_us"] / 1e6
+    out["atmm_read_TBps"] = atmm_bytes / out["atmm_gpu_us"] / 1e6
+    out["padded_read_TBps"] = padded_bytes / out["padded_gpu_us"] / 1e6
+    return out
 
 
 def llama8b_layers(targets: list[str], rank: int):
@@ -259,6 +293,9 @@ def main(argv=None) -> int:
     log(f"launch probe: {result['launch']}")
     rows = bench_atmm(table, log)
     result["atmm"] = rows
+    result["misses"] = [miss_probe(r) for r in rows if r["vs_padded"] < 2.0]
+    for m in result["misses"]:
+        log(f"miss {m}")
     if not args.skip_merge:
         result["merge"] = bench_merge(log)
     result["seconds"] = time.time() - t0
