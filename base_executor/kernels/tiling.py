@@ -138,16 +138,23 @@ class ShapeClass:
 
 
 def builtin_config(cls: ShapeClass) -> TileConfig:
-    """The tiling used when no profiled table exists for this GPU: the gist of what profiling
-    on an H100 chose (benchmarks/results/atmm_tiling_h100.json, 4096 x 4096).
+    """The tiling used when no profiled table exists for this GPU: what two tuning runs on
+    H100 machines agreed on (4096 x 4096; benchmarks/results/atmm_tiling_h100*.json).
 
-    Its static tiling (split, 32-row tiles, 2-way split-K) everywhere, except where that
-    table found one fused launch 1.2-1.8x faster on every rank mix: up to 256 tokens of at
-    most 16 adapters whose largest rank is <= 64, 16-row tiles, 8 column groups.
+    From 4096 tokens: shrink then expand, except at rank 128, where one fused launch with
+    4 (4096) or 2 (8192) column groups was faster. Below: one fused launch (launch-bound:
+    one launch is cheaper than two), 16-row tiles up to 256 tokens of rank <= 64; except
+    64 adapters of rank >= 64, where both tables took shrink then expand.
     """
-    if cls.tokens <= 256 and cls.adapters <= 16 and cls.rank <= 64:
+    if cls.tokens >= 4096:
+        if cls.rank >= 128:
+            return TileConfig(mode="fused", block_m=64, block_k=64, block_n=128, split=4 if cls.tokens <= 4096 else 2)
+        return TileConfig(mode="split", block_m=32, block_k=128, block_n=128, split=2)
+    if cls.adapters >= 64 and cls.rank >= 64:
+        return TileConfig(mode="split", block_m=32, block_k=128, block_n=128, split=2)
+    if cls.tokens <= 256 and cls.rank <= 64:
         return TileConfig(mode="fused", block_m=16, block_k=128 if cls.rank <= 16 else 256, block_n=64, split=8)
-    return TileConfig(mode="split", block_m=32, block_k=128, block_n=128, split=2)
+    return TileConfig(mode="fused", block_m=64, block_k=64, block_n=128, split=8)
 
 
 def gpu_name() -> str:
