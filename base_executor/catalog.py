@@ -1,5 +1,7 @@
 """The unit table: every frozen Linear, GPT-2 Conv1D, Embedding and lm_head of the served model,
-keyed by module path, tied weights deduplicated; and the skeleton a tenant builds its model from."""
+keyed by module path, tied weights deduplicated, plus one group unit per set of sibling Linears that
+read the same input (q/k/v, gate/up), so a tenant can make one call for all of them; and the
+skeleton a tenant builds its model from."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +15,21 @@ from proto.codec import dtype_enum
 from proto.fingerprint import fingerprint
 
 LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"
+
+# Sibling Linear modules under one parent that read the same input, by the names transformers
+# gives them. Phi-3 (qkv_proj, gate_up_proj), GPT-2 (c_attn), Falcon and GPT-NeoX come fused.
+ATTENTION_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),  # Llama, Mistral, Qwen2, Gemma, GPT-J, OPT, BART, Whisper
+    ("query", "key", "value"),  # BERT, RoBERTa, ViT
+    ("q", "k", "v"),  # T5
+)
+MLP_SIBLINGS = (
+    ("gate_proj", "up_proj"),  # Llama, Mistral, Qwen2, Gemma
+    ("wi_0", "wi_1"),  # T5 v1.1
+    ("w1", "w3"),  # Mixtral experts (module-per-expert checkpoints)
+)
+# cross-attention: the query reads the decoder's states, the keys and values the encoder's
+CROSS_ATTENTION = {"encoder_attn", "EncDecAttention", "crossattention"}
 
 
 def unit_kind(module: nn.Module) -> str | None:
@@ -39,6 +56,9 @@ class Unit:
     padding_idx: int | None = None
     tied_to: str = ""
     fingerprint: str = ""
+    members: tuple["Unit", ...] = ()  # a group unit: its members, whose weights are row slices of its own
+    group: str = ""  # a member unit: its group's id
+    rows: tuple[int, int] = (0, 0)  # a member unit: its rows [a, b) of the group's weight
 
     def info(self) -> pb.UnitInfo:
         return pb.UnitInfo(
@@ -50,6 +70,7 @@ class Unit:
             tied_to=self.tied_to,
             fingerprint=self.fingerprint,
             padding_idx=-1 if self.padding_idx is None else self.padding_idx,
+            members=[m.id for m in self.members],
         )
 
 
@@ -86,12 +107,42 @@ class UnitTable:
             )
         if not self.units:
             raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding modules to serve")
-        self._unit_params = {id(p) for u in self.units.values() for p in (u.weight, u.bias) if p is not None}
         self._unit_param_names = set()
         for path in self.units:
             module = model.get_submodule(path)
             for pname, _ in module.named_parameters(recurse=False):
                 self._unit_param_names.add(f"{path}.{pname}")
+        for members in sibling_sets(self.units.values()):
+            self._add_group(model, members)
+
+    def _add_group(self, model: nn.Module, members: list[Unit]) -> None:
+        """A group unit over `members`: its weight is theirs stacked, [sum of out, in]; theirs
+        become row slices of it, so the group costs no memory."""
+        parent, _, _ = members[0].id.rpartition(".")
+        names = ",".join(m.id.rpartition(".")[2] for m in members)
+        group = Unit(
+            id=f"{parent}.{{{names}}}" if parent else f"{{{names}}}",
+            kind=LINEAR,
+            weight=torch.cat([m.weight for m in members]),
+            bias=None if members[0].bias is None else torch.cat([m.bias for m in members]),
+            in_features=members[0].in_features,
+            out_features=sum(m.out_features for m in members),
+            members=tuple(members),
+        )
+        group.fingerprint = fingerprint(group.weight)
+        start = 0
+        for m in members:
+            m.group, m.rows = group.id, (start, start + m.out_features)
+            start += m.out_features
+        _point_members(group)
+        # the loaded model's parameters become the same slices, so loading a model holds one copy
+        # of these weights at a time, not two (the model stays in use for the skeleton)
+        for m in members:
+            module = model.get_submodule(m.id)
+            module.weight.data = m.weight
+            if m.bias is not None:
+                module.bias.data = m.bias
+        self.units[group.id] = group
 
     def __len__(self) -> int:
         return len(self.units)
@@ -102,9 +153,14 @@ class UnitTable:
     def to(self, device: torch.device) -> "UnitTable":
         moved: dict[int, torch.Tensor] = {}
         for u in self.units.values():
+            if u.group:  # moved with its group, below
+                continue
             u.weight = moved.setdefault(id(u.weight), u.weight.to(device))
             if u.bias is not None:
                 u.bias = u.bias.to(device)
+        for u in self.units.values():
+            if u.members:
+                _point_members(u)
         return self
 
     def is_unit_param(self, name: str) -> bool:
@@ -113,11 +169,44 @@ class UnitTable:
     def parameter_count(self) -> int:
         seen, n = set(), 0
         for u in self.units.values():
+            if u.group:  # its tensors are slices of its group's
+                continue
             for t in (u.weight, u.bias):
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
                     n += t.numel()
         return n
+
+
+def sibling_sets(units) -> list[list[Unit]]:
+    """Sets of sibling Linear units that read the same input: one parent module, names from
+    ATTENTION_SIBLINGS / MLP_SIBLINGS (in cross-attention, keys and values only), the same input
+    width and dtype, all with a bias or none; no tied weights."""
+    units = list(units)
+    shared = {u.tied_to for u in units if u.tied_to}
+    children: dict[str, dict[str, Unit]] = {}
+    for u in units:
+        if u.kind == LINEAR and not u.members and not u.tied_to and u.id not in shared:
+            parent, _, name = u.id.rpartition(".")
+            children.setdefault(parent, {})[name] = u
+    sets = []
+    for parent, by_name in children.items():
+        cross = any(part in CROSS_ATTENTION for part in parent.split("."))
+        for names in tuple(n[1:] if cross else n for n in ATTENTION_SIBLINGS) + MLP_SIBLINGS:
+            members = [by_name.get(n) for n in names]
+            if None in members:
+                continue
+            if len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1:
+                sets.append(members)
+    return sets
+
+
+def _point_members(group: Unit) -> None:
+    """Makes each member's weight and bias the rows [a, b) of its group's (views, no copy)."""
+    for m in group.members:
+        a, b = m.rows
+        m.weight = group.weight[a:b]
+        m.bias = None if group.bias is None else group.bias[a:b]
 
 
 def skeleton(model: nn.Module, table: UnitTable, dtype: torch.dtype, tokenizer_files: dict[str, bytes]) -> pb.SkeletonReply:

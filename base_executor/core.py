@@ -126,7 +126,7 @@ class ExecutorCore:
         """One GEMM over the calls' rows, split back per call."""
         try:
             x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
-            y = runner.run(calls[0].unit, calls[0].op, x)
+            y = runner.run(calls[0].unit, calls[0].op, x, self.scheduler.config.exact)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1:
                 return [r for c in calls for r in self._run([c])]

@@ -8,14 +8,20 @@ from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, Unit
 from proto import executor_pb2 as pb
 
 
-def run(unit: Unit, op: int, x: torch.Tensor) -> torch.Tensor:
+def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; embedding: ids [tokens]).
 
     Each op is computed with the same primitive the replaced module uses, so a
     virtualized model is bitwise equal to the original where the batch is one call.
+    A group unit (fused siblings) is one GEMM over the stacked weights; with `exact`, its
+    forward is one GEMM per member instead, so its columns are bitwise the members' own
+    results whatever the GEMM kernel does with a wider matrix.
     """
     w, b = unit.weight, unit.bias
     if unit.kind == LINEAR:
+        if op in (pb.FORWARD, pb.FORWARD_NO_BIAS) and exact and unit.members:
+            bias = op == pb.FORWARD
+            return torch.cat([F.linear(x, m.weight, m.bias if bias else None) for m in unit.members], dim=-1)
         if op == pb.FORWARD:
             return F.linear(x, w, b)
         if op == pb.FORWARD_NO_BIAS:

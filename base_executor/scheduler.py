@@ -25,7 +25,8 @@ class SchedulerConfig:
     """A queue with this many tokens runs at once."""
     exact: bool = False
     """Batch-invariant results: each call of a batch gets its own GEMM, so a tenant's results are
-    bitwise what it would get alone (GEMM kernels reorder sums with the row count otherwise)."""
+    bitwise what it would get alone (GEMM kernels reorder sums with the row count otherwise);
+    a fused group's forward is one GEMM per member, bitwise what unfused calls would get."""
 
     def __post_init__(self):
         if self.max_wait_us < 0 or self.inference_wait_us < 0:
@@ -47,6 +48,7 @@ class Call:
     latency: int
     arrived: float
     tag: object = None  # the transport's bookkeeping: where the result goes
+    out: torch.Tensor | None = None  # [tokens, d_out]: where a call run alone may write its result (no copy)
 
     @property
     def tokens(self) -> int:

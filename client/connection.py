@@ -59,8 +59,9 @@ class Connection:
         d = json.loads(self.skeleton().config_json)
         return AutoConfig.for_model(d.pop("model_type"), **d)
 
-    def model(self, *, attn_implementation: str | None = None) -> nn.Module:
-        """The tenant's model built from the executor's skeleton alone, already virtualized."""
+    def model(self, *, attn_implementation: str | None = None, fuse: bool = True) -> nn.Module:
+        """The tenant's model built from the executor's skeleton alone, already virtualized
+        (`fuse`: as for virtualize)."""
         from safetensors.torch import load
         from transformers import AutoModelForCausalLM
 
@@ -72,7 +73,7 @@ class Connection:
         dtype = codec.torch_dtype(self.skeleton().dtype)
         with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        virtualize(model, self)
+        virtualize(model, self, fuse=fuse)
         state = load(self.skeleton().weights)
         missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in state]
         if missing:

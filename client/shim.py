@@ -4,7 +4,8 @@ A shim *is an instance of the class it replaces* (a dynamic subclass), so transf
 PEFT dispatch on it unchanged; its parameters are RemoteWeight placeholders that carry shape,
 dtype and device but raise when anyone reads their values. Forward and backward are one
 autograd Function registered as the torch custom op `symbiont::unit_call` (with a fake
-implementation), so `torch.compile` can keep it in a graph.
+implementation), so `torch.compile` can keep it in a graph. Sibling Linears that read one input
+(q/k/v, gate/up) may share one call: see client/fusion.py.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class RemoteWeight(torch.Tensor):
 
 # ---- the custom op ----------------------------------------------------------------
 
-_SHIMS: "weakref.WeakValueDictionary[int, VirtLayer]" = weakref.WeakValueDictionary()
+_SHIMS: "weakref.WeakValueDictionary[int, UnitRef]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
 
@@ -90,8 +91,9 @@ unit_call.register_autograd(_backward, setup_context=_setup_context)
 # ---- shims --------------------------------------------------------------------------
 
 
-class VirtLayer(nn.Module):
-    """Mixin placed first in a shim's MRO. Holds a reference to a unit, never its weights."""
+class UnitRef:
+    """A served unit as the custom ops see it: its id, widths and dtype, and how to call it.
+    `_shim_id` is its key in _SHIMS, the integer the ops carry instead of the object."""
 
     unit_id: str
     transport: object  # client.transport.Transport
@@ -99,13 +101,11 @@ class VirtLayer(nn.Module):
     _d_in: int
     _d_out: int
     _dtype: torch.dtype
+    _shim_id: int
 
-    def get_base_layer(self) -> nn.Module:
-        return self
-
-    def unwrap(self) -> dict:
-        """What this shim stands for: the unit id, its kind and widths, and the executor's address."""
-        return {"unit": self.unit_id, "kind": self._kind, "in": self._d_in, "out": self._d_out, "url": self.transport.url}
+    def _register(self) -> None:
+        self._shim_id = next(_IDS)
+        _SHIMS[self._shim_id] = self
 
     def _out_dtype(self) -> torch.dtype:
         return self._dtype
@@ -118,6 +118,24 @@ class VirtLayer(nn.Module):
     def _remote(self, x: torch.Tensor, op: int) -> torch.Tensor:
         latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
         return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency)
+
+
+class VirtLayer(UnitRef, nn.Module):
+    """Mixin placed first in a shim's MRO. Holds a reference to a unit, never its weights."""
+
+    _group = None  # client.fusion.FusedGroup when this unit's calls may be fused with its siblings'
+    _member = 0  # this unit's index in its group
+
+    def get_base_layer(self) -> nn.Module:
+        return self
+
+    def unwrap(self) -> dict:
+        """What this shim stands for: the unit id, its kind and widths, the executor's address, and
+        its fused group (None when it has none): the group unit, this unit's output columns [a, b)
+        of the group's, and whether calls are fused now."""
+        g = self._group
+        group = None if g is None else {"unit": g.unit_id, "columns": g.columns(self._member), "fused": g.enabled}
+        return {"unit": self.unit_id, "kind": self._kind, "in": self._d_in, "out": self._d_out, "url": self.transport.url, "group": group}
 
     def _check(self, x: torch.Tensor) -> None:
         if x.dtype != self._dtype:
@@ -133,10 +151,15 @@ class VirtLayer(nn.Module):
 
 
 class VirtLinear(VirtLayer):
-    """nn.Linear and GPT-2 Conv1D: y = x W^T + b at the executor."""
+    """nn.Linear and GPT-2 Conv1D: y = x W^T + b at the executor (one call for the unit, or
+    a share of one call for its fused group; never fused while torch.compile traces)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
+        if not torch.compiler.is_compiling() and not torch.jit.is_tracing() and self._group is not None:
+            y = self._group.forward(self._member, x)
+            if y is not None:
+                return y
         return unit_call(x, self._shim_id, pb.FORWARD)
 
 
@@ -179,6 +202,5 @@ def make_shim(module: nn.Module, mixin: type, unit: pb.UnitInfo, transport, dtyp
     shim._d_in = unit.in_features
     shim._d_out = unit.out_features
     shim._dtype = dtype
-    shim._shim_id = next(_IDS)
-    _SHIMS[shim._shim_id] = shim
+    shim._register()
     return shim

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from client.errors import ModelMismatchError
+from client.fusion import fuse_siblings
 from client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
 from proto import codec
 from proto.fingerprint import fingerprint
@@ -85,9 +86,11 @@ def check_config(model_config, served_json: str) -> None:
             )
 
 
-def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: bool = True) -> nn.Module:
+def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
+    With `fuse`, sibling units that read the same input (q/k/v, gate/up) share one call forward
+    and one backward (client/fusion.py); fuse=False makes one call per unit.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -113,6 +116,8 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
 
     plan = []
     for unit in catalog.units:
+        if unit.members:  # a group of sibling units: no module of its own
+            continue
         found = [(n, m) for n, m in by_unit.get(unit.id, []) if m.__dict__.get("_parameters", {}).get("weight") is not None]
         if not found:
             raise ModelMismatchError(f"the executor serves unit {unit.id!r}, which this model does not have")
@@ -134,11 +139,14 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     conn.ensure_attached(device)
+    shims = {}
     for name, module, mixin, unit in plan:
-        shim = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
+        shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
-    del plan
+    if fuse:
+        fuse_siblings([u for u in catalog.units if u.members], shims)
+    del plan, shims
     gc.collect()
     return model

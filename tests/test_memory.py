@@ -41,7 +41,7 @@ def _save_model(path) -> None:
 def _stored_bytes_per_token(catalog) -> int:
     """What keeping every linear unit's input for its backward costs per token."""
     itemsize = torch.empty((), dtype=torch.float32).element_size()
-    return sum(u.in_features for u in catalog.units if u.kind != "embedding") * itemsize
+    return sum(u.in_features for u in catalog.units if u.kind != "embedding" and not u.members) * itemsize
 
 
 def _ids(seq: int, step: int) -> torch.Tensor:

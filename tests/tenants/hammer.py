@@ -101,7 +101,10 @@ def main(url: str, seed: int, go_file: str, seconds: float) -> int:
             (la, ga, lga), (lb, gb, lgb) = grads
             if not torch.equal(la, lb):
                 failures.append(f"train {list(ids.shape)}: logits differ, max |diff| {(la - lb).abs().max().item():.3e}")
-            if not torch.allclose(ga, gb, rtol=RTOL, atol=1e-8):
+            # relative to the gradient's norm, as for the LoRA gradients: fused q/k/v (gate/up) make
+            # one grad_x GEMM where the unsplit model adds three, so an element near zero may
+            # differ by more than 1e-5 of itself
+            if relative_error(ga, gb) > RTOL:
                 failures.append(f"train {list(ids.shape)}: input gradient differs, relative {relative_error(ga, gb):.3e}")
             if lga.keys() != lgb.keys() or not lga:
                 failures.append(f"train: LoRA parameters with gradients differ: {sorted(lga)} vs {sorted(lgb)}")

@@ -1,0 +1,122 @@
+"""Sibling-call fusion: one remote call for Linear units that read the same input.
+
+The executor advertises a group unit for each set of siblings (q/k/v, gate/up): a Linear whose
+output is the members' outputs side by side. The first member called with an input x makes one
+FORWARD call on the group (the custom op `symbiont::group_call`, one output per member) and keeps
+the other members' outputs; a sibling called next with the very same x (same object, unchanged
+since) takes its output instead of calling. Backward is one BACKWARD call on the group with the
+members' output gradients side by side (zeros for a member whose output went unused): autograd
+runs a node once, when all its outputs' gradients are in.
+
+Fusion never changes what a member returns, only how many calls it takes: a member called with
+another input makes a fresh group call, and a group whose kept outputs keep going unused (its
+members read different inputs) stops fusing and calls per unit. `torch.compile` traces per-unit
+calls (client/shim.py): kept outputs are state a graph cannot hold.
+"""
+from __future__ import annotations
+
+import torch
+
+from client.shim import UnitRef, VirtLayer, _SHIMS, unit_call
+from proto import executor_pb2 as pb
+
+WASTE_LIMIT = 3
+"""A group stops fusing after this many group calls in a row left some member's output unused."""
+
+
+class FusedGroup(UnitRef):
+    """The group unit of some sibling shims, and the outputs of its last call not yet taken."""
+
+    def __init__(self, unit: pb.UnitInfo, members: list[VirtLayer]):
+        self.unit_id = unit.id
+        self.transport = members[0].transport
+        self._kind = unit.kind
+        self._d_in, self._d_out = unit.in_features, unit.out_features
+        self._dtype = members[0]._dtype
+        self.sizes = [m._d_out for m in members]
+        if sum(self.sizes) != self._d_out or any(m._d_in != self._d_in for m in members):
+            raise ValueError(f"group {unit.id!r} ({self._d_in} -> {self._d_out}) does not match its members' widths {self.sizes}")
+        self.enabled = True
+        self._x: torch.Tensor | None = None  # the input of the last group call
+        self._state = None  # _state(x) then: a sibling takes a kept output only if it is unchanged
+        self._kept: dict[int, torch.Tensor] = {}  # member index -> its output from that call
+        self._wasted = 0  # group calls in a row whose outputs were not all taken
+        self._register()
+        for i, m in enumerate(members):
+            m._group, m._member = self, i
+
+    def columns(self, member: int) -> tuple[int, int]:
+        """The member's output columns [a, b) of the group's output."""
+        a = sum(self.sizes[:member])
+        return a, a + self.sizes[member]
+
+    def forward(self, member: int, x: torch.Tensor) -> torch.Tensor | None:
+        """The member's output for x, from the last group call or a new one; None when this group
+        no longer fuses (the caller then calls its own unit)."""
+        if not self.enabled:
+            return None
+        if member in self._kept and self._x is x and self._state == _state(x):
+            y = self._kept.pop(member)
+            if not self._kept:
+                self._x, self._wasted = None, 0
+            return y
+        if self._kept:  # outputs of the last call that no member took
+            self._kept.clear()
+            self._x = None
+            self._wasted += 1
+            if self._wasted >= WASTE_LIMIT:
+                self.enabled = False
+                return None
+        ys = group_call(x, self._shim_id)
+        self._kept = {i: y for i, y in enumerate(ys) if i != member}
+        self._x, self._state = x, _state(x)
+        return ys[member]
+
+
+def _state(x: torch.Tensor) -> tuple:
+    """What must not change between a group call and a sibling taking its output: x's values (its
+    version counter; inference tensors keep none, so for them the same object counts as the same
+    values) and whether autograd records."""
+    version = -1 if x.is_inference() else x._version
+    return version, x.requires_grad, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+# ---- the custom op ----------------------------------------------------------------
+
+
+@torch.library.custom_op("symbiont::group_call", mutates_args=())
+def group_call(x: torch.Tensor, group: int) -> list[torch.Tensor]:
+    """FORWARD of a group unit: one call, one output per member (each its own contiguous tensor,
+    as the member's own call would return)."""
+    g = _SHIMS[group]
+    y = g._remote(x, pb.FORWARD)  # [..., sum of the members' widths]
+    return [part.clone(memory_format=torch.contiguous_format) for part in y.split(g.sizes, dim=-1)]
+
+
+@group_call.register_fake
+def _(x, group):
+    g = _SHIMS[group]
+    return [x.new_empty(tuple(x.shape[:-1]) + (n,), dtype=g._out_dtype()) for n in g.sizes]
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.group = inputs[1]
+
+
+def _backward(ctx, grads):
+    # grad_x = [grad_1 ... grad_n] W_group: one call; autograd passes zeros for unused outputs
+    return unit_call(torch.cat(grads, dim=-1), ctx.group, pb.BACKWARD), None
+
+
+group_call.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer]) -> list[FusedGroup]:
+    """Links each advertised group to its members' shims; a group some member of which has no
+    shim (or a shim of another kind) is left out, and those members call per unit."""
+    made = []
+    for unit in groups:
+        members = [shims.get(m) for m in unit.members]
+        if unit.kind == "linear" and all(m is not None and m._kind == "linear" for m in members):
+            made.append(FusedGroup(unit, members))
+    return made
