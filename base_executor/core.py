@@ -124,9 +124,13 @@ class ExecutorCore:
 
     def _run(self, calls: list[Call]) -> list[Result]:
         """One GEMM over the calls' rows, split back per call."""
+        exact = self.scheduler.config.exact
         try:
-            x = calls[0].x if len(calls) == 1 else torch.cat([c.x for c in calls])  # [tokens, d_in]
-            y = runner.run(calls[0].unit, calls[0].op, x, self.scheduler.config.exact)
+            if len(calls) == 1:  # straight into the tenant's output mailbox when it offers one
+                c = calls[0]
+                return [Result(c, runner.run(c.unit, c.op, c.x, exact, c.out).view(c.out_shape))]
+            x = torch.cat([c.x for c in calls])  # [tokens, d_in]
+            y = runner.run(calls[0].unit, calls[0].op, x, exact)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1:
                 return [r for c in calls for r in self._run([c])]

@@ -2,8 +2,9 @@
 every placement this machine can run, against the GEMM alone, side by side in one run.
 
 Placements: `cpu-executor` (tenant and executor on the CPU, shared memory), `host->gpu`
-(tenant on the CPU, executor on the GPU), `same-gpu` (tenant on the executor's GPU, CUDA IPC
-mailboxes). The executor is a real `base-executor serve` process; the unit is a 2048x2048
+(tenant on the CPU, executor on the GPU, page-locked mailboxes), `same-gpu` (tenant on the
+executor's GPU, CUDA IPC mailboxes), `peer-gpu` (tenant on a second GPU: the executor's CUDA
+IPC mailbox, peer copies; needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
 q_proj of a one-layer Llama saved to a temporary directory.
 
     python benchmarks/s6_transport.py [--label mps]      # run once with MPS on, once without
@@ -41,11 +42,11 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def serve(model: str, url: str, device: str, dtype: str, spin_us: int) -> subprocess.Popen:
+def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None) -> subprocess.Popen:
     from client import wait_for_executor
 
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
-           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0", "--spin-us", str(spin_us)]
+           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"] + (["--spin-us", str(spin_us)] if spin_us is not None else [])
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_executor(url, 120, proc)
     return proc
@@ -71,8 +72,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--label", default="")
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--spin-us", type=int, nargs="+", default=[20], help="spin before sleeping, both sides; one row per value")
-    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu")
+    p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
+    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu peer-gpu")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -81,6 +82,8 @@ def main() -> int:
         make_model(tmp)
         w = torch.randn(HIDDEN, HIDDEN)
         placements = [("cpu-executor", "cpu", "float32", "cpu")]
+        if torch.cuda.device_count() > 1:
+            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0")]
             wg = w.to("cuda", torch.bfloat16)
@@ -106,8 +109,8 @@ def main() -> int:
                 for n in TOKENS:
                     x = torch.randn(n, HIDDEN, dtype=tdtype, device=tenant_device)
                     calls = a.calls if ex_device != "cpu" or n <= 16 else 20
-                    row[n] = median_us(lambda: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE),
-                                       sync if tenant_device != "cpu" else (lambda: None), calls)
+                    tsync = (lambda d=tenant_device: torch.cuda.synchronize(d)) if tenant_device != "cpu" else (lambda: None)
+                    row[n] = median_us(lambda: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE), tsync, calls)
                 rows[name] = row
                 conn.close()
             finally:

@@ -25,6 +25,7 @@ class Transport(abc.ABC):
         self.tenant_id = 0
         self.token = ""
         self.device = torch.device("cpu")
+        self.area_device: torch.device | None = None  # the executor's GPU, when the data area is there
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one call in flight per tenant
 
@@ -59,16 +60,22 @@ class Transport(abc.ABC):
     def attach(
         self, tenant_name: str, latency: int = pb.TRAINING, mailbox_bytes: int = 0, device: torch.device | None = None
     ) -> pb.AttachReply:
-        """Becomes a tenant. `device` is where this tenant's tensors live: when it is the executor's
-        GPU, the data plane is device memory shared by CUDA IPC; otherwise host shared memory."""
+        """Becomes a tenant. `device` is where this tenant's tensors live. When it is the
+        executor's GPU, or another GPU of the host that can reach it as a peer, the data plane is
+        device memory on the executor's GPU shared by CUDA IPC (`area_device`); otherwise host
+        shared memory."""
         import os
 
         self.device = torch.device(device or "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         uuid = ""
         if self.device.type == "cuda":
-            from proto.cuda_ipc import device_uuid
+            from proto.cuda_ipc import mappable_device
 
-            uuid = device_uuid(self.device)
+            served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
+            self.area_device = mappable_device(served_on, self.device)
+            uuid = served_on if self.area_device is not None else ""
         request = pb.AttachRequest(
             tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid
         )

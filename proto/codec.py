@@ -47,3 +47,29 @@ def view(buffer, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     if count == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(tuple(shape))
+
+
+class ViewCache:
+    """Memoised views of one data area: a call whose offset, shape and dtype match an earlier
+    call's reuses that view (making one costs several torch calls; a lookup costs none).
+
+    `make(offset, shape, dtype)` builds a view; the cache forgets everything past `limit`
+    entries (sequence lengths vary) and on clear(), which the area's owner calls before the
+    memory goes away."""
+
+    def __init__(self, make, limit: int = 256):
+        self._make = make
+        self._limit = limit
+        self._views: dict = {}
+
+    def get(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        key = (offset, tuple(shape), dtype)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= self._limit:
+                self._views.clear()
+            v = self._views[key] = self._make(offset, key[1], dtype)
+        return v
+
+    def clear(self) -> None:
+        self._views.clear()

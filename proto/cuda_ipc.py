@@ -12,10 +12,13 @@ be shared by IPC handle) may stay on for the executor's own work.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 
 import torch
+
+from proto import codec
 
 _IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -50,6 +53,13 @@ def _driver():
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcMemHandle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
         lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         _lib = lib
     return _lib
@@ -67,6 +77,60 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def mappable_device(uuid: str, near: torch.device) -> torch.device | None:
+    """The device of this process that is the GPU `uuid`, when memory there can be mapped and
+    copied to and from `near` (the same GPU, or a peer of it); else None."""
+    if not uuid or not torch.cuda.is_available():
+        return None
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", i)) == uuid:
+            if i == near.index or torch.cuda.can_device_access_peer(near.index, i):
+                return torch.device("cuda", i)
+            return None
+    return None
+
+
+_HOST_REGISTER_PORTABLE = 1
+
+
+def pin_host(device: torch.device, ptr: int, nbytes: int) -> None:
+    """Page-locks host memory (a tenant's shared mailbox) so copies between it and the GPU are
+    DMA, with no staging copy; `ptr` and `nbytes` must be page-aligned."""
+    with _current(device):
+        _check(_driver().cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE), f"cuMemHostRegister({nbytes})")
+
+
+def unpin_host(device: torch.device, ptr: int) -> None:
+    with _current(device):
+        _check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
+_PRIMARY: dict[int, ctypes.c_void_p] = {}  # device index -> its primary context, retained for good
+
+
+@contextlib.contextmanager
+def _current(device: torch.device):
+    """Makes `device`'s primary context (the one torch uses) current on this thread for driver
+    calls; restores the caller's context after. (torch.cuda.set_device may defer the switch
+    until a kernel launch.) The context is retained once and never released: releasing the last
+    reference before torch has used the GPU would destroy it, and with it what was mapped."""
+    lib = _driver()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ctx = _PRIMARY.get(index)
+    if ctx is None:
+        _check(lib.cuInit(0), "cuInit")
+        dev = ctypes.c_int()
+        _check(lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+        ctx = ctypes.c_void_p()
+        _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        _PRIMARY[index] = ctx
+    _check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
 class _CudaArray:
     """Exposes a raw device pointer to torch.as_tensor (zero copy)."""
 
@@ -82,12 +146,20 @@ def as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 class _Area:
     data: torch.Tensor  # uint8 [nbytes]
 
+    def __post_init__(self):
+        self._views = codec.ViewCache(self._make_view)
+
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The tensor at `offset` of the data area (no copy); the caller checks bounds."""
-        n = 1
-        for d in shape:
-            n *= int(d)
-        return self.data[offset : offset + n * dtype.itemsize].view(dtype).view(tuple(shape))
+        return self._views.get(offset, shape, dtype)
+
+    def _make_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.data[offset : offset + codec.nbytes(shape, dtype)].view(dtype).view(shape)
+
+    def _drop_views(self) -> None:
+        """Before the memory goes: no cached view may outlive it."""
+        self._views.clear()
+        self.data = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,10 +175,10 @@ class DeviceRegion(_Area):
 
     @classmethod
     def allocate(cls, device: torch.device, nbytes: int) -> "DeviceRegion":
-        torch.cuda.set_device(device)  # makes the primary context current on this thread
         ptr = ctypes.c_uint64()
-        _check(_driver().cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc({nbytes})")
-        _check(_driver().cuMemsetD8_v2(ptr.value, 0, nbytes), "cuMemsetD8")  # no stale bytes of earlier tenants
+        with _current(device):
+            _check(_driver().cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc({nbytes})")
+            _check(_driver().cuMemsetD8_v2(ptr.value, 0, nbytes), "cuMemsetD8")  # no stale bytes of earlier tenants
         events = [torch.cuda.Event(interprocess=True, enable_timing=False) for _ in range(2)]
         for e in events:
             e.record(torch.cuda.current_stream(device))  # an event must be recorded once before it is shared
@@ -118,10 +190,10 @@ class DeviceRegion(_Area):
         return h.to_bytes(), self.input_ready.ipc_handle(), self.output_ready.ipc_handle()
 
     def free(self) -> None:
-        torch.cuda.set_device(self.device)
         torch.cuda.synchronize(self.device)  # no queued kernel may still touch it
-        self.data = None
-        _check(_driver().cuMemFree_v2(self.ptr), "cuMemFree")
+        self._drop_views()
+        with _current(self.device):
+            _check(_driver().cuMemFree_v2(self.ptr), "cuMemFree")
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,10 +208,10 @@ class OpenedRegion(_Area):
 
     @classmethod
     def open(cls, device: torch.device, nbytes: int, mem_handle: bytes, input_ready: bytes, output_ready: bytes) -> "OpenedRegion":
-        torch.cuda.set_device(device)
         h = _IpcMemHandle.from_bytes(mem_handle)
         ptr = ctypes.c_uint64()
-        _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        with _current(device):
+            _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         return cls(
             device,
             ptr.value,
@@ -150,5 +222,6 @@ class OpenedRegion(_Area):
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        self.data = None
-        _check(_driver().cuIpcCloseMemHandle(self.ptr), "cuIpcCloseMemHandle")
+        self._drop_views()
+        with _current(self.device):  # the context the mapping was opened in
+            _check(_driver().cuIpcCloseMemHandle(self.ptr), "cuIpcCloseMemHandle")

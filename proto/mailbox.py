@@ -80,6 +80,7 @@ class Mailbox:
         self.requests = Ring(mem, REQUEST_RING_OFFSET, RING_SLOTS, RING_SLOT_SIZE)
         self.replies = Ring(mem, REPLY_RING_OFFSET, RING_SLOTS, RING_SLOT_SIZE)
         self.reply_bell = Doorbell(mem, REPLY_BELL_OFFSET)
+        self._views = codec.ViewCache(lambda offset, shape, dtype: codec.view(mem, DATA_OFFSET + offset, shape, dtype))
 
     @staticmethod
     def total_bytes(data_bytes: int) -> int:
@@ -87,7 +88,7 @@ class Mailbox:
 
     def view(self, offset: int, shape, dtype):
         """The tensor at `offset` of the data area (no copy); the caller checks bounds."""
-        return codec.view(self.mem, DATA_OFFSET + offset, shape, dtype)
+        return self._views.get(offset, shape, dtype)
 
     @property
     def detached(self) -> bool:
@@ -102,3 +103,4 @@ class Mailbox:
         """Drops the ring views. The map is not unmapped here: tensors made by torch.frombuffer
         view it without holding a buffer export, so it is freed when the last of them dies."""
         self.requests = self.replies = self.reply_bell = None
+        self._views.clear()

@@ -17,3 +17,14 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def start_time(pid: int) -> int:
+    """When `pid` started (clock ticks since boot), or 0 when it is gone or a zombie: a pid and
+    its start time name one process, whereas a pid alone may be reused by a later one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return 0 if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0

@@ -1,4 +1,5 @@
-"""GPU tests (marker `gpu`, skipped without CUDA): an executor on a CUDA device serving CPU tenants."""
+"""GPU tests (marker `gpu`, skipped without CUDA): an executor on a CUDA device serving tenants on
+the CPU, on its own GPU and on a peer GPU (skipped with fewer than two GPUs)."""
 from __future__ import annotations
 
 import pytest
@@ -89,6 +90,12 @@ def test_two_placements_at_once():
 
 
 def test_same_gpu_tenant_killed_mid_call():
+    _killed_mid_call("cuda:0")
+
+
+def _killed_mid_call(device: str) -> None:
+    """A GPU tenant SIGKILLed mid-call: the executor detaches it, frees its device mailbox (its
+    process is gone) and keeps serving."""
     import os
     import subprocess
     import sys
@@ -98,7 +105,7 @@ def test_same_gpu_tenant_killed_mid_call():
     from tests.conftest import REPO
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
-        victim = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "gpu_loop_job.py"), ex.url],
+        victim = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "gpu_loop_job.py"), ex.url, device],
                                   stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert victim.stdout.readline().strip() == "ready"
         time.sleep(1.0)
@@ -113,8 +120,157 @@ def test_same_gpu_tenant_killed_mid_call():
             after = observer.stats()
         assert after.tenants == 0 and after.mailbox_bytes == 0
         assert "is gone" in ex.log()
-        ref = build_builtin("tiny-llama").cuda()
-        virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)  # the executor keeps serving
-        x = ids(2, 9).cuda()
+        ref = build_builtin("tiny-llama").to(device)
+        virt = virtualize(build_builtin("tiny-llama").to(device), ex.url)  # the executor keeps serving
+        x = ids(2, 9).to(device)
         with torch.no_grad():
             torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tenant_of_gpu_executor_gets_page_locked_mailbox():
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        ref = build_builtin("tiny-llama")
+        virt = virtualize(build_builtin("tiny-llama"), ex.url)
+        x = ids(2, 300)  # grows the mailbox: the new one is page-locked too
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
+        assert "page-locked" in ex.log()
+
+
+def test_stalled_input_copy_does_not_stall_other_tenants():
+    """A same-GPU tenant whose input copy sits behind a long kernel: the executor holds that
+    call (it polls the copy's event) and keeps serving everyone else meanwhile."""
+    import threading
+    import time
+
+    from client import connect
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        slow = connect(ex.url)
+        slow.ensure_attached("cuda:0")
+        d_in = next(u.in_features for u in slow.catalog().units if u.id == unit)
+        x = torch.randn(3, d_in, device="cuda:0")
+        expected = connect(ex.url)
+        expected.ensure_attached("cuda:0")
+        want = expected.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+        bystander = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        ref = build_builtin("tiny-llama").cuda()
+        probe = ids(1, 5).cuda()
+        with torch.no_grad():
+            want_logits = ref(probe).logits
+            bystander(probe)
+        side = torch.cuda.Stream()
+        got = {}
+
+        def stalled():
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(10_000_000_000)  # ~5 s of GPU time ahead of the input copy
+                got["y"] = slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+                side.synchronize()
+
+        th = threading.Thread(target=stalled)
+        th.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with torch.no_grad():
+            torch.testing.assert_close(bystander(probe).logits, want_logits, rtol=1e-5, atol=1e-5)
+        served_in = time.monotonic() - t0
+        assert th.is_alive(), "the stalled call should still be waiting for its input copy"
+        th.join(60)
+        assert served_in < 1.0, f"the bystander waited {served_in:.2f} s behind a stalled tenant"
+        torch.testing.assert_close(got["y"], want)
+
+
+def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
+    """A detached same-GPU tenant's region is not freed while its process lives (it may still
+    map it); the same process attaching again gets it back instead of a new one."""
+    from client import connect
+
+    with running_executor("tiny-llama", "--device", "cuda:0", "--mailbox-mb", "4") as ex:
+        first = connect(ex.url)
+        first.ensure_attached("cuda:0")
+        with connect(ex.url) as observer:
+            held = observer.stats().mailbox_bytes  # its rings on the host, 4 MiB on the GPU
+            first.close()
+            assert observer.stats().mailbox_bytes == 4 << 20  # the device region is parked, not freed
+            again = connect(ex.url)
+            again.ensure_attached("cuda:0")
+            assert observer.stats().mailbox_bytes == held  # reused, not a second one
+            again.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_peer_gpu_tenant_parity(name):
+    """Tenant on another GPU of the host: the executor's device mailbox mapped by CUDA IPC, peer copies."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with running_executor(name, "--device", "cuda:0") as ex:
+        dev = torch.device("cuda:1")
+        torch.cuda.set_device(dev)
+        ref = build_builtin(name).to(dev)
+        virt = virtualize(build_builtin(name).to(dev), ex.url)
+        assert torch.cuda.current_device() == 1  # mapping the executor's GPU left our device alone
+        x = ids(2, 13).to(dev)
+        with torch.no_grad():
+            out = virt(x).logits
+            assert out.device == dev
+            torch.testing.assert_close(out, ref(x).logits, rtol=1e-5, atol=1e-5)
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
+        ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), ex.url)
+        for m in (ref_l, virt_l):
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-5)
+        assert "CUDA IPC" in ex.log()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_peer_gpu_tenant_killed_mid_call():
+    _killed_mid_call("cuda:1")
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+def test_gpu_executor_mailbox_grows_mid_run(device):
+    """Calls larger than the first data area: the tenant's mailbox (device or page-locked host)
+    is replaced by a larger one between calls, and results stay exact."""
+    from client import connect
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0", "--mailbox-mb", "1") as ex:
+        conn = connect(ex.url)
+        conn.ensure_attached(device)
+        unit = next(u for u in conn.catalog().units if u.id == "model.layers.0.mlp.down_proj")
+        ref = build_builtin("tiny-llama").model.layers[0].mlp.down_proj
+        for tokens in (4, 3000, 9000, 5):  # 1 MiB holds ~1300 tokens of input and output
+            x = torch.randn(tokens, unit.in_features, device=device)
+            y = conn.transport.call(unit.id, pb.FORWARD, x, (tokens, unit.out_features), torch.float32, pb.INFERENCE)
+            assert y.device == x.device
+            torch.testing.assert_close(y.cpu(), ref(x.cpu()).detach(), rtol=1e-4, atol=1e-4)
+        conn.close()
+
+
+def test_gpu_tenant_attaching_before_any_cuda_work():
+    """A process whose first CUDA work is mapping the executor's mailbox (torch has not touched
+    the GPU yet): the mapping must survive torch starting up on that GPU afterwards."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    job = """
+import sys, torch
+from client import connect
+from proto import executor_pb2 as pb
+from base_executor.models import build_builtin
+conn = connect(sys.argv[1]); conn.ensure_attached("cuda:0")
+ref = build_builtin("tiny-llama").model.layers[0].mlp.down_proj
+x = torch.randn(5, ref.in_features)
+y = conn.transport.call("model.layers.0.mlp.down_proj", pb.FORWARD, x.cuda(), (5, ref.out_features), torch.float32, pb.INFERENCE)
+torch.testing.assert_close(y.cpu(), ref(x).detach(), rtol=1e-4, atol=1e-4)
+print("exact")
+"""
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        out = subprocess.run([sys.executable, "-c", job, ex.url], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "exact", out.stderr[-2000:]

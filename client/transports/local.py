@@ -1,6 +1,7 @@
 """Same-host transport (`local://NAME`), tenant side: ZeroMQ for control, the csrc rings and
 doorbells for signalling, and the executor's mailbox for tensors: host shared memory, or, when
-the tenant sits on the executor's GPU, device memory opened by CUDA IPC handle (the copy-in, the
+the tenant sits on the executor's GPU or on a peer GPU of the same host, device memory on the
+executor's GPU opened by CUDA IPC handle (the copy-in — a peer copy from another GPU — the
 executor's GEMM and the read are ordered by interprocess events; no host synchronisation)."""
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
-SPIN_US = 20
+SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
+GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 LIVENESS_SLICE_US = 200_000
 CONTROL_SLICE_S = 0.2
 
@@ -41,7 +43,8 @@ class LocalTransport(Transport):
         self._box: mailbox.Mailbox | None = None
         self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
         self._max_data = 0
-        self.spin_us = SPIN_US  # how long a call spins on its reply before sleeping in the kernel
+        self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
+        self._spin = SPIN_US
         self._outstanding = 0  # call id of an interrupted call whose reply has not come yet
         self._control_lock = threading.Lock()  # the DEALER socket is not thread-safe
 
@@ -102,11 +105,12 @@ class LocalTransport(Transport):
         region = reply.mailbox
         self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), 0 if on_gpu else reply.data_bytes)
         self._data_bytes = reply.data_bytes
+        self._spin = self.spin_us if self.spin_us is not None else (GPU_SPIN_US if on_gpu else SPIN_US)
         if on_gpu:
             from proto.cuda_ipc import OpenedRegion
 
             c = reply.cuda
-            self._gpu = OpenedRegion.open(self.device, c.size, c.mem_handle, c.input_ready, c.output_ready)
+            self._gpu = OpenedRegion.open(self.area_device, c.size, c.mem_handle, c.input_ready, c.output_ready)
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -134,7 +138,8 @@ class LocalTransport(Transport):
         area = gpu or box
         area.view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
-            gpu.input_ready.record(torch.cuda.current_stream(self.device))
+            stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
+            gpu.input_ready.record(stream)
         if not box.requests.push(request.SerializeToString()):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring(wake_always=True)
@@ -148,8 +153,9 @@ class LocalTransport(Transport):
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
-            torch.cuda.current_stream(self.device).wait_event(gpu.output_ready)
-            return area.view(reply.out_offset, out_shape, out_dtype).clone()
+            stream.wait_event(gpu.output_ready)
+            y = area.view(reply.out_offset, out_shape, out_dtype)
+            return y.clone() if x.device == gpu.device else torch.empty_like(y, device=x.device).copy_(y)
         y = torch.empty(out_shape, dtype=out_dtype)
         y.copy_(area.view(reply.out_offset, out_shape, out_dtype))
         return y if x.device.type == "cpu" else y.to(x.device)
@@ -165,7 +171,7 @@ class LocalTransport(Transport):
                 continue  # a stale reply of an abandoned call
             if box.detached:
                 self._detached()
-            if box.reply_bell.wait(seq, self.spin_us, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
+            if box.reply_bell.wait(seq, self._spin, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
                 self.tenant_id = 0
                 self._teardown()
                 raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")

@@ -1,4 +1,4 @@
-"""A tenant on the executor's GPU that calls forever (the test kills it mid-call)."""
+"""A GPU tenant (argv[2], default cuda:0) that calls forever (the test kills it mid-call)."""
 import os
 import sys
 
@@ -9,8 +9,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from base_executor.models import build_builtin  # noqa: E402
 from client import virtualize  # noqa: E402
 
-model = virtualize(build_builtin("tiny-llama").cuda(), sys.argv[1])
-x = torch.randint(1, 256, (4, 64), device="cuda")
+device = sys.argv[2] if len(sys.argv) > 2 else "cuda:0"
+model = virtualize(build_builtin("tiny-llama").to(device), sys.argv[1])
+x = torch.randint(1, 256, (4, 64), device=device)
 print("ready", flush=True)
 with torch.no_grad():
     while True:

@@ -1,0 +1,165 @@
+"""Tenants of the same-host transport and their data areas, from creation to release.
+
+A tenant's areas are its host mailbox (a sealed memfd: rings, reply doorbell and, for a tenant
+off the executor's GPU, the tensor bytes) and, for a tenant on the executor's GPU, a device
+region shared by CUDA IPC handle. On a GPU executor the host data area is page-locked, so the
+copies between it and the GPU are DMA with no staging copy.
+
+Areas are made at attach and grow, retired at detach, grow or a tenant's death, and released
+by the data loop between batches. A retired device region is not freed while its owner process
+lives: the tenant may still map it, and CUDA leaves freeing memory that another process maps
+undefined (the next tenant could be handed memory the last one still reads). It is parked for
+that process instead, reused when the same process attaches or grows again, and freed once the
+process is gone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import torch
+
+from proto import executor_pb2 as pb
+from proto import mailbox
+from proto.procs import start_time
+
+log = logging.getLogger("base_executor")
+
+Owner = tuple[int, int]  # (pid, start time): one process, even once its pid is reused
+
+
+def owner_of(pid: int) -> Owner:
+    return (pid, start_time(pid))
+
+
+def owner_alive(owner: Owner) -> bool:
+    return owner[1] != 0 and start_time(owner[0]) == owner[1]
+
+
+@dataclasses.dataclass(eq=False)
+class Areas:
+    fd: int
+    box: mailbox.Mailbox  # rings, reply doorbell, and the data area of a host tenant
+    pinned: int = 0  # address of the page-locked host data area, 0 when not page-locked
+    gpu: "object | None" = None  # proto.cuda_ipc.DeviceRegion: the data area of a tenant on our GPU
+
+    @property
+    def data(self):
+        """Where the tensors live: the device region, else the host mailbox."""
+        return self.gpu or self.box
+
+    @property
+    def data_bytes(self) -> int:
+        return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
+
+
+@dataclasses.dataclass(eq=False)
+class Tenant:
+    id: int
+    name: str
+    pid: int
+    owner: Owner
+    token: str
+    areas: Areas
+    held: tuple[pb.CallRequest, float] | None = None  # a same-GPU call whose input copy is still running
+
+    @property
+    def box(self) -> mailbox.Mailbox:
+        return self.areas.box
+
+    @property
+    def gpu(self):
+        return self.areas.gpu
+
+    @property
+    def area(self):
+        """Where this tenant's tensors live: its device region, else its host mailbox."""
+        return self.areas.data
+
+
+class AreaPool:
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.device = device
+        self._lock = threading.Lock()  # attach and grow come on the control thread
+        self._retired: list[tuple[Areas, Owner]] = []  # released by the data loop
+        self._parked: dict[Owner, list] = {}  # device regions their owner may still map
+
+    def new(self, tid: int, owner: Owner, data_bytes: int, on_gpu: bool) -> Areas:
+        """A mailbox with `data_bytes` of data area, on the executor's GPU when on_gpu."""
+        host_bytes = 0 if on_gpu else data_bytes
+        fd, mem = mailbox.create_region(f"symbiont-{self.name}-t{tid}", mailbox.Mailbox.total_bytes(host_bytes))
+        areas = Areas(fd, mailbox.Mailbox(mem, host_bytes))
+        try:
+            if on_gpu:
+                areas.gpu = self._region(owner, data_bytes)
+            elif self.device.type == "cuda" and host_bytes:
+                from proto.cuda_ipc import pin_host
+
+                base = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()  # no buffer export is kept
+                pin_host(self.device, base, len(mem))
+                areas.pinned = base
+        except BaseException:
+            areas.box.close()
+            os.close(fd)
+            raise
+        return areas
+
+    def _region(self, owner: Owner, nbytes: int):
+        from proto.cuda_ipc import DeviceRegion
+
+        with self._lock:
+            fit = [r for r in self._parked.get(owner, []) if r.nbytes >= nbytes]
+            if fit:  # the same process had it: nothing of another tenant's is in it
+                best = min(fit, key=lambda r: r.nbytes)
+                self._parked[owner].remove(best)
+                return best
+        return DeviceRegion.allocate(self.device, nbytes)
+
+    def retire(self, areas: Areas, owner: Owner) -> None:
+        """Any thread: the areas go out of use; release_retired() frees them later."""
+        with self._lock:
+            self._retired.append((areas, owner))
+
+    def release_retired(self, drop_calls) -> None:
+        """Data loop only, between batches. `drop_calls(data_area)` drops calls queued on it."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for areas, owner in retired:
+            drop_calls(areas.data)  # calls still queued read the area: they go first
+            if areas.pinned:
+                from proto.cuda_ipc import unpin_host
+
+                torch.cuda.synchronize(self.device)  # an input copy already queued may still read it
+                unpin_host(self.device, areas.pinned)
+            areas.box.close()
+            os.close(areas.fd)
+            if areas.gpu is not None:
+                if owner_alive(owner):
+                    with self._lock:
+                        self._parked.setdefault(owner, []).append(areas.gpu)
+                else:
+                    areas.gpu.free()
+
+    def reap(self) -> None:
+        """Data loop only: frees the parked regions of processes that are gone."""
+        with self._lock:
+            gone = [self._parked.pop(o) + [o] for o in list(self._parked) if not owner_alive(o)]
+        for *regions, owner in gone:
+            for region in regions:
+                region.free()
+            log.info("device mailboxes of process %d freed", owner[0])
+
+    def parked_bytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for rs in self._parked.values() for r in rs)
+
+    def close(self) -> None:
+        """At shutdown, after release_retired(): every parked region goes."""
+        with self._lock:
+            parked, self._parked = self._parked, {}
+        for regions in parked.values():
+            for region in regions:
+                region.free()

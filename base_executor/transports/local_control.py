@@ -1,0 +1,178 @@
+"""The control plane of the same-host transport server (`local://NAME`): one ZeroMQ ROUTER
+socket on its own thread answering ControlRequests — attach, grow, detach, catalog, skeleton,
+stats, health. A mixin of LocalServer (transports/local.py), which owns the tenants, their
+areas and the data loop; nothing here touches the scheduler."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+
+from google.protobuf.message import DecodeError
+
+from base_executor.core import clip
+from base_executor.transports.areas import Areas, Tenant, owner_alive, owner_of
+from proto import mailbox
+from proto import executor_pb2 as pb
+
+log = logging.getLogger("base_executor")
+_OK = pb.Status(code=pb.OK)
+
+
+def rss_anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class LocalControl:
+    """Control requests of LocalServer; `self` is the LocalServer."""
+
+    def _control_loop(self, sock) -> None:
+        while not self._control_done.is_set():
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            identity, payload = frames[0], frames[-1]
+            try:
+                reply = self._control(payload)
+            except Exception as e:  # a bug must not kill the control plane
+                log.exception("control request failed")
+                reply = pb.ControlReply(status=pb.Status(code=pb.INTERNAL, message=clip(f"{type(e).__name__}: {e}")))
+            sock.send_multipart([identity, reply.SerializeToString()])
+
+    def _control(self, payload: bytes) -> pb.ControlReply:
+        try:
+            req = pb.ControlRequest.FromString(payload)
+        except DecodeError as e:
+            return _error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
+        kind = req.WhichOneof("kind")
+        if kind is None:
+            return _error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health")
+        if kind == "health":
+            return pb.ControlReply(
+                status=_OK,
+                health=pb.HealthReply(
+                    serving=not self.stopping.is_set(),
+                    model=self.catalog.model,
+                    tenants=len(self.tenants),
+                    uptime_s=time.monotonic() - self.started,
+                ),
+            )
+        if kind == "catalog":
+            return pb.ControlReply(status=_OK, catalog=self.catalog)
+        if kind == "skeleton":
+            return pb.ControlReply(status=_OK, skeleton=self.skeleton)
+        if kind == "stats":
+            return pb.ControlReply(status=_OK, stats=self._stats())
+        if self.stopping.is_set():
+            return _error(pb.UNAVAILABLE, "executor is shutting down")
+        if kind == "attach":
+            return self._attach(req.attach)
+        with self.lock:
+            t = self.tenants.get(req.tenant_id)
+            if t is None or not secrets.compare_digest(t.token, req.token):
+                return _error(pb.NOT_ATTACHED, f"tenant {req.tenant_id} is not attached (never attached, detached, or reclaimed)")
+            if kind == "detach":
+                self._reclaim(t, "detach requested")
+                return pb.ControlReply(status=_OK)
+            if kind == "grow":
+                return self._grow(t, req.grow.data_bytes)
+        return _error(pb.INTERNAL, f"unhandled control request {kind}")
+
+    def _attach(self, a: pb.AttachRequest) -> pb.ControlReply:
+        if a.pid <= 0:
+            return _error(pb.INVALID_ARGUMENT, f"attach needs the tenant's pid, got {a.pid}")
+        owner = owner_of(a.pid)
+        if not owner_alive(owner):
+            return _error(pb.INVALID_ARGUMENT, f"attach names pid {a.pid}, which is no process on this host")
+        size = a.mailbox_bytes or self.config.mailbox_bytes
+        on_gpu = bool(a.device_uuid) and a.device_uuid == self.catalog.device_uuid
+        if size > self.config.max_mailbox_bytes:
+            return _error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
+        with self.lock:
+            if len(self.tenants) >= self.config.max_tenants:
+                return _error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
+            tid = self._next_id
+            self._next_id += 1
+            areas = self.areas.new(tid, owner, size, on_gpu)
+            t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
+            self.tenants[tid] = t
+        log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
+                 f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory" + (", page-locked)" if areas.pinned else ")"))
+        self.wake.ring()
+        return pb.ControlReply(
+            status=_OK,
+            attach=pb.AttachReply(
+                tenant_id=tid,
+                token=t.token,
+                wake=pb.SharedRegion(owner_pid=os.getpid(), fd=self.wake_fd, size=mailbox.WAKE_BYTES),
+                mailbox=_shared(areas),
+                ring_slots=mailbox.RING_SLOTS,
+                ring_slot_size=mailbox.RING_SLOT_SIZE,
+                data_offset=mailbox.DATA_OFFSET,
+                data_bytes=areas.data_bytes,
+                max_mailbox_bytes=self.config.max_mailbox_bytes,
+                cuda=_cuda_region(areas.gpu),
+            ),
+        )
+
+    def _grow(self, t: Tenant, data_bytes: int) -> pb.ControlReply:
+        if data_bytes > self.config.max_mailbox_bytes:
+            return _error(
+                pb.RESOURCE_EXHAUSTED,
+                f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
+            )
+        if data_bytes > t.areas.data_bytes:  # the outgrown areas go; calls still queued on them get no reply
+            old, t.areas = t.areas, self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
+            self.areas.retire(old, t.owner)
+            log.info("tenant %d mailbox grown to %d MiB", t.id, data_bytes >> 20)
+        return pb.ControlReply(
+            status=_OK,
+            grow=pb.GrowReply(
+                mailbox=_shared(t.areas),
+                data_offset=mailbox.DATA_OFFSET,
+                data_bytes=t.areas.data_bytes,
+                cuda=_cuda_region(t.gpu),
+            ),
+        )
+
+    def _mailbox_bytes(self) -> int:
+        with self.lock:
+            live = sum(mailbox.Mailbox.total_bytes(t.box.data_bytes) + (t.gpu.nbytes if t.gpu else 0) for t in self.tenants.values())
+        return live + self.areas.parked_bytes()
+
+    def _stats(self) -> pb.StatsReply:
+        k = self.core.counters
+        return pb.StatsReply(
+            tenants=len(self.tenants),
+            calls=k.calls,
+            batches=k.batches,
+            tokens=k.tokens,
+            errors=k.errors,
+            rss_anon_bytes=rss_anon_bytes(),
+            mailbox_bytes=self._mailbox_bytes(),
+            units=[
+                pb.UnitStats(unit=u, calls=k.per_unit[u], batches=k.per_unit_batches[u], tokens=k.per_unit_tokens[u])
+                for u in sorted(k.per_unit)
+            ],
+        )
+
+
+
+def _shared(areas: Areas) -> pb.SharedRegion:
+    return pb.SharedRegion(owner_pid=os.getpid(), fd=areas.fd, size=mailbox.Mailbox.total_bytes(areas.box.data_bytes))
+
+
+def _cuda_region(gpu) -> pb.CudaRegion | None:
+    if gpu is None:
+        return None
+    mem, inp, out = gpu.handles()
+    return pb.CudaRegion(mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out)
+
+
+def _error(code: int, message: str) -> pb.ControlReply:
+    return pb.ControlReply(status=pb.Status(code=code, message=message))

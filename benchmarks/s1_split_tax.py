@@ -1,0 +1,146 @@
+"""S1 split tax: one tenant alone on the executor's GPU vs the same model unsplit in one process
+(HF + PEFT), side by side in one run, bf16.
+
+    python benchmarks/s1_split_tax.py --model llama-1b [--steps 10] [--out DIR]
+
+Scenarios (BENCHMARKS.md): LoRA r=16 on q,v fine-tuning step at batch 2 x 512 tokens; greedy
+decode at batch 1 (prompt 128, 128 new tokens); prefill of 2048 tokens. Each repetition times
+the unsplit model and the tenant back to back; medians. The executor is a real
+`base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
+executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call.
+
+Prints a table last and writes s1_split_tax-MODEL.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def timed(fn) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+def main() -> int:
+    from base_executor.models import build_builtin
+    from client import connect, virtualize, wait_for_executor
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--steps", type=int, default=10, help="timed repetitions per scenario (after 2 warm-ups)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--no-fuse", action="store_true", help="one remote call per unit (no sibling fusion)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
+    p.add_argument("--device", default="cuda:0", help="the executor's and the tenant's device (cpu: a smoke test)")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    url = f"local://s1-{os.getpid()}"
+    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", url, "--device", a.device,
+           "--dtype", "bfloat16", *a.serve_args.split()]
+    log = open(pathlib.Path(a.out) / f"s1_executor-{a.model}.log", "w") if pathlib.Path(a.out).is_dir() else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+    try:
+        base = build_builtin(a.model, torch.bfloat16)
+        for m in (base,):
+            m.config._attn_implementation = "sdpa"
+        base = base.to(dev)
+        wait_for_executor(url, 900, proc)
+        conn = connect(url)
+        virt = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        models = {"unsplit": base, "symbiont": virt}
+        results: dict[str, dict[str, float]] = {}
+        calls: dict[str, float] = {}
+
+        def scenario(name, run_one):
+            times = {k: [] for k in models}
+            for i in range(a.steps + 2):
+                for k, m in models.items():
+                    before = conn.stats().calls if k == "symbiont" else 0
+                    t = timed(lambda: run_one(m))
+                    if i >= 2:
+                        times[k].append(t)
+                        if k == "symbiont":
+                            calls[name] = conn.stats().calls - before
+            results[name] = {k: statistics.median(v) for k, v in times.items()}
+            r = results[name]
+            print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
+                  f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)
+
+        torch.manual_seed(0)
+        vocab = base.config.vocab_size
+        prompt = torch.randint(1, vocab, (1, 128), device=dev)
+        long = torch.randint(1, vocab, (1, 2048), device=dev)
+        gen_kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            scenario("prefill", lambda m: m(long, use_cache=False))
+            scenario("decode", lambda m: m.generate(prompt, **gen_kw))
+        results["decode"] = {k: v / a.new_tokens for k, v in results["decode"].items()}  # per token
+
+        batch = torch.randint(1, vocab, (2, 512), device=dev)
+        models = {k: lora(m) for k, m in models.items()}
+        opts = {k: torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-4) for k, m in models.items()}
+        for m in models.values():
+            m.train()
+
+        def step(m):
+            k = "symbiont" if m is models["symbiont"] else "unsplit"
+            m(input_ids=batch, labels=batch).loss.backward()
+            opts[k].step()
+            opts[k].zero_grad(set_to_none=True)
+
+        scenario("finetune", step)
+        conn.close()
+    finally:
+        proc.send_signal(2)
+        proc.wait(120)
+    out = {
+        "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
+        "seconds": results, "symbiont_calls": calls,
+        "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
+        "overhead_per_call_us": {
+            k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
+            for k, v in results.items()
+        },
+    }
+    path = pathlib.Path(a.out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"s1_split_tax-{a.model}.json").write_text(json.dumps(out, indent=2))
+    goals = {"finetune": 1.15, "decode": 1.10, "prefill": 1.10}
+    print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{'' if not a.no_fuse else ' (no fusion)'}")
+    print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}")
+    for k in ("finetune", "decode", "prefill"):
+        v = results[k]
+        print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
+              f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
