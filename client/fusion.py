@@ -2,7 +2,7 @@
 
 The executor advertises a group unit for each set of siblings (q/k/v, gate/up): a Linear whose
 output is the members' outputs side by side. The first member called with an input x makes one
-FORWARD call on the group (the custom op `symbiont::group_call`, one output per member) and keeps
+FORWARD call on the group (one output per member) and keeps
 the other members' outputs; a sibling called next with the very same x (same object, unchanged
 since) takes its output instead of calling. Backward is one BACKWARD call on the group with the
 members' output gradients side by side (zeros for a member whose output went unused): autograd
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, unit_call
+from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit
 from proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -67,7 +67,7 @@ class FusedGroup(UnitRef):
             if self._wasted >= WASTE_LIMIT:
                 self.enabled = False
                 return None
-        ys = group_call(x, self._shim_id)
+        ys = _GroupCall.apply(x, self._shim_id)  # eager only: fusion is off while tracing
         self._kept = {i: y for i, y in enumerate(ys) if i != member}
         self._x, self._state = x, _state(x)
         return ys[member]
@@ -81,34 +81,24 @@ def _state(x: torch.Tensor) -> tuple:
     return version, x.requires_grad, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
-# ---- the custom op ----------------------------------------------------------------
+# ---- the call ----------------------------------------------------------------------
 
 
-@torch.library.custom_op("symbiont::group_call", mutates_args=())
-def group_call(x: torch.Tensor, group: int) -> list[torch.Tensor]:
+class _GroupCall(torch.autograd.Function):
     """FORWARD of a group unit: one call, one output per member (each its own contiguous tensor,
-    as the member's own call would return)."""
-    g = _SHIMS[group]
-    y = g._remote(x, pb.FORWARD)  # [..., sum of the members' widths]
-    return [part.clone(memory_format=torch.contiguous_format) for part in y.split(g.sizes, dim=-1)]
+    as the member's own call would return). Backward: grad_x = [grad_1 ... grad_n] W_group, one
+    call; autograd passes zeros for outputs nobody used."""
 
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        g = _SHIMS[group]
+        y = g._remote(x, pb.FORWARD)  # [..., sum of the members' widths]
+        return tuple(part.clone(memory_format=torch.contiguous_format) for part in y.split(g.sizes, dim=-1))
 
-@group_call.register_fake
-def _(x, group):
-    g = _SHIMS[group]
-    return [x.new_empty(tuple(x.shape[:-1]) + (n,), dtype=g._out_dtype()) for n in g.sizes]
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.group = inputs[1]
-
-
-def _backward(ctx, grads):
-    # grad_x = [grad_1 ... grad_n] W_group: one call; autograd passes zeros for unused outputs
-    return unit_call(torch.cat(grads, dim=-1), ctx.group, pb.BACKWARD), None
-
-
-group_call.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, *grads):
+        return call_unit(torch.cat(grads, dim=-1), ctx.group, pb.BACKWARD), None
 
 
 def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer]) -> list[FusedGroup]:

@@ -4,7 +4,8 @@ A shim *is an instance of the class it replaces* (a dynamic subclass), so transf
 PEFT dispatch on it unchanged; its parameters are RemoteWeight placeholders that carry shape,
 dtype and device but raise when anyone reads their values. Forward and backward are one
 autograd Function registered as the torch custom op `symbiont::unit_call` (with a fake
-implementation), so `torch.compile` can keep it in a graph. Sibling Linears that read one input
+implementation), so `torch.compile` can keep it in a graph; eager code calls its twin, a plain
+autograd.Function, whose dispatch costs a fraction of the custom op's. Sibling Linears that read one input
 (q/k/v, gate/up) may share one call: see client/fusion.py.
 """
 from __future__ import annotations
@@ -88,6 +89,30 @@ def _backward(ctx, grad):
 unit_call.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _UnitCall(torch.autograd.Function):
+    """The eager twin of `unit_call`: the same forward and backward through autograd.Function,
+    which costs a fraction of a custom op's dispatch (a call per unit per step adds up)."""
+
+    @staticmethod
+    def forward(ctx, x, shim, op):
+        ctx.shim = shim
+        return _SHIMS[shim]._remote(x, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return call_unit(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
+
+
+def tracing() -> bool:
+    """Whether torch.compile or torch.jit is tracing: they see the custom ops, eager code the twins."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def call_unit(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
+    """`op` of shim's unit on x: the custom op while tracing, its cheaper eager twin otherwise."""
+    return unit_call(x, shim, op) if tracing() else _UnitCall.apply(x, shim, op)
+
+
 # ---- shims --------------------------------------------------------------------------
 
 
@@ -156,25 +181,25 @@ class VirtLinear(VirtLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        if not torch.compiler.is_compiling() and not torch.jit.is_tracing() and self._group is not None:
+        if self._group is not None and not tracing():
             y = self._group.forward(self._member, x)
             if y is not None:
                 return y
-        return unit_call(x, self._shim_id, pb.FORWARD)
+        return call_unit(x, self._shim_id, pb.FORWARD)
 
 
 class VirtEmbedding(VirtLayer):
     """nn.Embedding: y = W[ids] at the executor."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return unit_call(ids, self._shim_id, pb.FORWARD)
+        return call_unit(ids, self._shim_id, pb.FORWARD)
 
 
 class VirtScaledEmbedding(VirtLayer):
     """Embeddings that multiply the lookup by `embed_scale` (Gemma, ...): the scale stays local."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return unit_call(ids, self._shim_id, pb.FORWARD) * self.embed_scale.to(self._dtype)
+        return call_unit(ids, self._shim_id, pb.FORWARD) * self.embed_scale.to(self._dtype)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
