@@ -47,3 +47,11 @@ def assert_grads_close(ref: dict, got: dict, rtol: float = 1e-5) -> None:
         scale = ref[name].norm().item()
         assert scale > 0, f"{name} has a zero gradient: the test would not see a difference"
         assert err <= rtol * scale, f"{name}: |diff| {err:.3e} > {rtol} x |grad| {scale:.3e}"
+
+
+def enable_checkpointing(model, reentrant: bool) -> None:
+    """Training mode with gradient checkpointing (the reentrant kind needs inputs that require grad)."""
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()

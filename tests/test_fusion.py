@@ -15,7 +15,7 @@ from base_executor.models import build_builtin
 from client import connect, virtualize
 from client.fusion import WASTE_LIMIT
 from proto import executor_pb2 as pb
-from tests.models import assert_grads_close, ids, lora_grads
+from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads
 
 LAYERS = 2  # of every tiny model
 QKV, GATE_UP = "self_attn.{q_proj,k_proj,v_proj}", "mlp.{gate_proj,up_proj}"
@@ -184,10 +184,7 @@ def test_gradient_checkpointing(executor, reentrant):
               virtualize(_lora(build_builtin("tiny-llama"), ["q_proj", "k_proj", "up_proj"]), executor.url)]
     x = ids(2, 11, seed=8)
     for m in models:
-        m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        if reentrant:
-            m.enable_input_require_grads()
+        enable_checkpointing(m, reentrant)
     models[0](input_ids=x, labels=x).loss.backward()
     with CallCount(executor.url) as count:
         models[1](input_ids=x, labels=x).loss.backward()

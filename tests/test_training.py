@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from client import virtualize
-from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads, lora_model
 
 
 def test_plain_loop_loss_falls(executor):
@@ -27,10 +27,7 @@ def test_gradient_checkpointing_parity(executor, reentrant):
     models = [lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)]
     x = ids(2, 11, seed=8)
     for m in models:
-        m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        if reentrant:
-            m.enable_input_require_grads()
+        enable_checkpointing(m, reentrant)
         m(input_ids=x, labels=x).loss.backward()
     assert models[1].base_model.model.model.gradient_checkpointing
     assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
