@@ -7,7 +7,8 @@ Scenarios (BENCHMARKS.md): LoRA r=16 on q,v fine-tuning step at batch 2 x 512 to
 decode at batch 1 (prompt 128, 128 new tokens); prefill of 2048 tokens. Each repetition times
 the unsplit model and the tenant back to back; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
-executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call.
+executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
+`--profile SECONDS` samples both processes with py-spy per scenario.
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -27,6 +28,7 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def timed(fn) -> float:
@@ -56,7 +58,10 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
     p.add_argument("--device", default="cuda:0", help="the executor's and the tenant's device (cpu: a smoke test)")
+    p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
+                   help="after timing each scenario, sample both processes with py-spy for this long (pip install py-spy)")
     a = p.parse_args()
+    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     url = f"local://s1-{os.getpid()}"
@@ -78,6 +83,20 @@ def main() -> int:
         results: dict[str, dict[str, float]] = {}
         calls: dict[str, float] = {}
 
+        def profile(name, run_symbiont):
+            """py-spy samples the tenant and the executor while the symbiont side repeats `name`."""
+            from s6_profile import top_frames
+
+            stacks = {who: pathlib.Path(a.out) / f"s1_{a.model}_{name}_{who}.txt" for who in ("tenant", "executor")}
+            spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "997", "--duration", str(a.profile),
+                                       "--idle", "--nonblocking", "--format", "raw", "--output", str(stacks[who])],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for who, pid in (("tenant", os.getpid()), ("executor", proc.pid))]
+            while any(sp.poll() is None for sp in spies):
+                run_symbiont()
+            for who, path in stacks.items():
+                print(f"\n{name}, {who} (py-spy):\n" + top_frames(path, REPO), flush=True)
+
         def scenario(name, run_one):
             times = {k: [] for k in models}
             for i in range(a.steps + 2):
@@ -89,6 +108,8 @@ def main() -> int:
                         if k == "symbiont":
                             calls[name] = conn.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
+            if a.profile:
+                profile(name, lambda: run_one(models["symbiont"]))
             r = results[name]
             print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
                   f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)

@@ -121,10 +121,10 @@ def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib
     finally:
         proc.send_signal(2)
         proc.wait(60)
-    return median, _top(out / "tenant.txt"), _top(out / "executor.txt")
+    return median, top_frames(out / "tenant.txt"), top_frames(out / "executor.txt")
 
 
-def _top(path: pathlib.Path, n: int = 25) -> str:
+def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25) -> str:
     """Share of samples per frame from py-spy's collapsed stacks: own (leaf) and inclusive."""
     if not path.exists():
         return "(no samples: is py-spy installed and allowed to ptrace?)"
@@ -142,7 +142,7 @@ def _top(path: pathlib.Path, n: int = 25) -> str:
     lines = [f"{total} samples; own time:"]
     lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in own.most_common(n)]
     lines += ["inclusive, symbiont frames:"]
-    lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common() if str(REPO) in f][:n]
+    lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common() if str(repo) in f][:n]
     return "\n".join(lines)
 
 
