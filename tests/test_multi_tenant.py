@@ -14,12 +14,17 @@ from tests.conftest import REPO, running_executor
 JOB = os.path.join(REPO, "tests", "jobs", "solo_job.py")
 
 
-def _start(url: str, mode: str, out: str, n: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, JOB, "--url", url, "--mode", mode, "--n", str(n), "--out", out], cwd=REPO)
+def _start(url: str, mode: str, out: str, n: int, barrier: str, parties: int) -> subprocess.Popen:
+    cmd = [sys.executable, JOB, "--url", url, "--mode", mode, "--n", str(n), "--out", out, "--barrier", barrier,
+           "--parties", str(parties)]
+    return subprocess.Popen(cmd, cwd=REPO)
 
 
 def _run(url, jobs, tmp_path, tag) -> dict:
-    procs = {mode: _start(url, mode, str(tmp_path / f"{tag}-{mode}.pt"), n) for mode, n in jobs}
+    """Runs the jobs at once; they start their loops together (a barrier after building models)."""
+    barrier = tmp_path / f"{tag}-barrier-{len(jobs)}-{jobs[0][0]}"
+    barrier.mkdir()
+    procs = {mode: _start(url, mode, str(tmp_path / f"{tag}-{mode}.pt"), n, str(barrier), len(jobs)) for mode, n in jobs}
     for mode, p in procs.items():
         assert p.wait(timeout=300) == 0, f"{mode} job failed"
     return {mode: torch.load(tmp_path / f"{tag}-{mode}.pt") for mode in procs}

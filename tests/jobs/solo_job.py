@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -15,8 +16,22 @@ from client import virtualize  # noqa: E402
 from tests.models import ids, lora_model  # noqa: E402
 
 
-def train(url: str, steps: int) -> dict:
+def barrier(folder: str | None, name: str, parties: int) -> None:
+    """Waits until `parties` jobs have reached this point (each leaves a file in `folder`), so
+    jobs that build their models at different speeds still run their loops at the same time."""
+    if not folder:
+        return
+    open(os.path.join(folder, name), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(os.listdir(folder))} of {parties} jobs reached the barrier")
+        time.sleep(0.01)
+
+
+def train(url: str, steps: int, sync=lambda: None) -> dict:
     model = virtualize(lora_model("tiny-llama"), url)
+    sync()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     losses = []
     for step in range(steps):
@@ -31,8 +46,9 @@ def train(url: str, steps: int) -> dict:
     return out
 
 
-def generate(url: str, prompts: int) -> dict:
+def generate(url: str, prompts: int, sync=lambda: None) -> dict:
     model = virtualize(build_builtin("tiny-llama"), url)
+    sync()
     out = {}
     for i in range(prompts):
         prompt = ids(1, 4 + i % 3, seed=200 + i)
@@ -48,6 +64,9 @@ if __name__ == "__main__":
     p.add_argument("--mode", choices=["train", "generate"], required=True)
     p.add_argument("--n", type=int, default=6)
     p.add_argument("--out", required=True)
+    p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
+    p.add_argument("--parties", type=int, default=1)
     a = p.parse_args()
-    result = train(a.url, a.n) if a.mode == "train" else generate(a.url, a.n)
+    sync = lambda: barrier(a.barrier, a.mode, a.parties)  # noqa: E731
+    result = train(a.url, a.n, sync) if a.mode == "train" else generate(a.url, a.n, sync)
     torch.save(result, a.out)
