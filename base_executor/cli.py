@@ -43,8 +43,9 @@ def _serve(args: argparse.Namespace) -> int:
         exact=args.exact,
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
+    spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
     server_config = LocalServerConfig(
-        name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20),
+        name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()

@@ -61,18 +61,18 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
                    help="after timing each scenario, sample both processes with py-spy for this long (pip install py-spy)")
     a = p.parse_args()
-    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    out_dir = pathlib.Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     url = f"local://s1-{os.getpid()}"
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", url, "--device", a.device,
            "--dtype", "bfloat16", *a.serve_args.split()]
-    log = open(pathlib.Path(a.out) / f"s1_executor-{a.model}.log", "w") if pathlib.Path(a.out).is_dir() else subprocess.DEVNULL
+    log = open(out_dir / f"s1_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
     try:
         base = build_builtin(a.model, torch.bfloat16)
-        for m in (base,):
-            m.config._attn_implementation = "sdpa"
+        base.config._attn_implementation = "sdpa"  # the virtualized copy inherits it
         base = base.to(dev)
         wait_for_executor(url, 900, proc)
         conn = connect(url)
@@ -87,7 +87,7 @@ def main() -> int:
             """py-spy samples the tenant and the executor while the symbiont side repeats `name`."""
             from s6_profile import top_frames
 
-            stacks = {who: pathlib.Path(a.out) / f"s1_{a.model}_{name}_{who}.txt" for who in ("tenant", "executor")}
+            stacks = {who: out_dir / f"s1_{a.model}_{name}_{who}.txt" for who in ("tenant", "executor")}
             spies = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "997", "--duration", str(a.profile),
                                        "--idle", "--nonblocking", "--format", "raw", "--output", str(stacks[who])],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -150,9 +150,7 @@ def main() -> int:
             for k, v in results.items()
         },
     }
-    path = pathlib.Path(a.out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / f"s1_split_tax-{a.model}.json").write_text(json.dumps(out, indent=2))
+    (out_dir / f"s1_split_tax-{a.model}.json").write_text(json.dumps(out, indent=2))
     goals = {"finetune": 1.15, "decode": 1.10, "prefill": 1.10}
     print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{'' if not a.no_fuse else ' (no fusion)'}")
     print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}")

@@ -2,8 +2,8 @@
 
 The executor advertises a group unit for each set of siblings (q/k/v, gate/up): a Linear whose
 output is the members' outputs side by side. The first member called with an input x makes one
-FORWARD call on the group (one output per member) and keeps
-the other members' outputs; a sibling called next with the very same x (same object, unchanged
+FORWARD call on the group (one output per member) and keeps the other members' outputs; a
+sibling called next with the very same x (same object, unchanged
 since) takes its output instead of calling. Backward is one BACKWARD call on the group with the
 members' output gradients side by side (zeros for a member whose output went unused): autograd
 runs a node once, when all its outputs' gradients are in.

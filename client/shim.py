@@ -5,8 +5,8 @@ PEFT dispatch on it unchanged; its parameters are RemoteWeight placeholders that
 dtype and device but raise when anyone reads their values. Forward and backward are one
 autograd Function registered as the torch custom op `symbiont::unit_call` (with a fake
 implementation), so `torch.compile` can keep it in a graph; eager code calls its twin, a plain
-autograd.Function, whose dispatch costs a fraction of the custom op's. Sibling Linears that read one input
-(q/k/v, gate/up) may share one call: see client/fusion.py.
+autograd.Function, whose dispatch costs a fraction of the custom op's. Sibling Linears that
+read one input (q/k/v, gate/up) may share one call: see client/fusion.py.
 """
 from __future__ import annotations
 

@@ -452,33 +452,35 @@ def _tenant_is_reclaimed(ex: Executor, observer, tenants_before: int, mailbox_be
     assert stats(observer).mailbox_bytes == mailbox_before - mailbox.Mailbox.total_bytes(data_bytes), "its mailbox was not reclaimed"
 
 
-def test_corrupt_request_ring_detaches_offender(ex, observer):
+def _scribbled_ring_detaches_offender(ex, observer, scribble) -> None:
+    """`scribble(mem)` corrupts a tenant's request ring: that tenant is detached, others carry on."""
     with WellBehavedTenant(ex) as good, attached(ex, "scribbler") as offender:
         tr = offender.transport
         before = stats(observer)
-        # the producer index jumps 1000 slots ahead of the consumer's
-        tail = struct.unpack_from("<Q", tr._box.mem, mailbox.REQUEST_RING_OFFSET + 64)[0]
-        struct.pack_into("<Q", tr._box.mem, mailbox.REQUEST_RING_OFFSET, tail + 1000)
+        scribble(tr._box.mem)
         tr._wake.ring()
         _tenant_is_reclaimed(ex, observer, before.tenants, before.mailbox_bytes, tr._box.data_bytes)
         assert re.search(rf"tenant {tr.tenant_id} \(scribbler.*detached: corrupt request ring", ex.log()), ex.log()
         good.carries_on()
         assert_serving(ex)
+
+
+def test_corrupt_request_ring_detaches_offender(ex, observer):
+    def jump_ahead(mem):  # the producer index jumps 1000 slots ahead of the consumer's
+        tail = struct.unpack_from("<Q", mem, mailbox.REQUEST_RING_OFFSET + 64)[0]
+        struct.pack_into("<Q", mem, mailbox.REQUEST_RING_OFFSET, tail + 1000)
+
+    _scribbled_ring_detaches_offender(ex, observer, jump_ahead)
 
 
 def test_corrupt_length_prefix_detaches_offender(ex, observer):
-    with WellBehavedTenant(ex) as good, attached(ex, "scribbler") as offender:
-        tr = offender.transport
-        before = stats(observer)
-        head = struct.unpack_from("<Q", tr._box.mem, mailbox.REQUEST_RING_OFFSET)[0]
+    def overlong_message(mem):
+        head = struct.unpack_from("<Q", mem, mailbox.REQUEST_RING_OFFSET)[0]
         slot = mailbox.REQUEST_RING_OFFSET + 128 + (head % mailbox.RING_SLOTS) * mailbox.RING_SLOT_SIZE
-        struct.pack_into("<I", tr._box.mem, slot, 0xFFFFFFF0)  # a message longer than any slot
-        struct.pack_into("<Q", tr._box.mem, mailbox.REQUEST_RING_OFFSET, head + 1)
-        tr._wake.ring()
-        _tenant_is_reclaimed(ex, observer, before.tenants, before.mailbox_bytes, tr._box.data_bytes)
-        assert re.search(rf"tenant {tr.tenant_id} \(scribbler.*detached: corrupt request ring", ex.log()), ex.log()
-        good.carries_on()
-        assert_serving(ex)
+        struct.pack_into("<I", mem, slot, 0xFFFFFFF0)  # a message longer than any slot
+        struct.pack_into("<Q", mem, mailbox.REQUEST_RING_OFFSET, head + 1)
+
+    _scribbled_ring_detaches_offender(ex, observer, overlong_message)
 
 
 def _flood_without_reading(tr, message: bytes, n: int = 100, timeout_s: float = 5) -> int:

@@ -9,9 +9,9 @@ stream behind a kernel that never ends. A tenant on another GPU of the host that
 ours as a peer maps the same device mailbox and copies in and out over the peer link. A host
 mailbox of a GPU executor is page-locked, so its copies are DMA.
 
-Two threads: the control thread answers ControlRequests (local_control.py); the data loop waits on the executor-wide wake word, drains every
-tenant's request ring into the core, steps the core, writes results into mailboxes and rings
-each tenant's reply doorbell. Nothing here blocks on a tenant: a tenant that dies, corrupts
+Two threads: the control thread answers ControlRequests (local_control.py); the data loop
+waits on the executor-wide wake word, drains every tenant's request ring into the core, steps
+the core, writes results into mailboxes and rings each tenant's reply doorbell. Nothing here blocks on a tenant: a tenant that dies, corrupts
 its ring or never reads its replies is detached and its mailbox reclaimed.
 """
 from __future__ import annotations
