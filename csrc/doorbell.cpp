@@ -175,11 +175,13 @@ class Doorbell {
   }
 
   // Waits until the sequence differs from `seen` or `timeout_us` passes
-  // (negative: forever). Spins for `spin_us` first. Returns the sequence now.
+  // (negative: forever). Spins for `spin_us` first, never past the timeout. Returns the
+  // sequence now.
   uint32_t wait(uint32_t seen, int64_t spin_us, int64_t timeout_us) {
     py::gil_scoped_release release;
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
+    if (timeout_us >= 0 && spin_us > timeout_us) spin_us = timeout_us;
     const auto spin_until = start + std::chrono::microseconds(spin_us);
     uint32_t now = seq_ref().load(std::memory_order_acquire);
     while (now == seen && clock::now() < spin_until) {

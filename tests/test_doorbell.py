@@ -68,6 +68,17 @@ def test_wait_times_out_and_returns_same_seq():
     os.close(fd)
 
 
+def test_spin_never_outlasts_the_timeout():
+    # the executor polls a held GPU call on a short timeout while spinning long on its wake word
+    fd, mem = region()
+    bell = Doorbell(mem, 0)
+    seq = bell.seq()
+    t0 = time.monotonic()
+    assert bell.wait(seq, 3_000_000, 20_000) == seq
+    assert time.monotonic() - t0 < 1.5
+    os.close(fd)
+
+
 def _ringer(pid, fd, size, delay):
     mem = mailbox.open_region(pid, fd, size)
     r = Ring(mem, 0, 8, 64)
