@@ -45,7 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
     server_config = LocalServerConfig(
-        name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us
+        name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
+        gpu_waits=not args.no_gpu_waits,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -92,11 +93,12 @@ def _mps_running() -> bool:
     """Whether a CUDA MPS control daemon runs on this host (its server multiplexes our GPU work)."""
     for pid in os.listdir("/proc"):
         try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() in ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"):
-                    return True
+            with open(f"/proc/{pid}/cmdline", "rb") as f:  # (comm is cut at 15 characters)
+                argv0 = f.read().split(b"\0")[0]
         except OSError:
             continue
+        if os.path.basename(argv0) in (b"nvidia-cuda-mps-control", b"nvidia-cuda-mps-server"):
+            return True
     return False
 
 
@@ -144,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
                    "sleeping in the kernel (longer: lower latency, one busier core; default 200 on a GPU, 20 on the CPU, "
                    "where the spinning core is one the GEMMs need)")
+    s.add_argument("--no-gpu-waits", action="store_true", help="same GPU: never take a call before its input copy "
+                   "is done (by default a lone tenant's call is, its GEMM queued behind a GPU wait on its own stream)")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

@@ -77,6 +77,10 @@ class Scheduler:
         """Tenants with at least one queued call."""
         return len(self._per_tenant)
 
+    def waiting(self, tenant: int) -> bool:
+        """Whether `tenant` has a queued call."""
+        return tenant in self._per_tenant
+
     def _wait_s(self, key) -> float:
         us = self.config.inference_wait_us if self._inference[key] else self.config.max_wait_us
         return us * 1e-6

@@ -67,7 +67,10 @@ class FusedGroup(UnitRef):
             if self._wasted >= WASTE_LIMIT:
                 self.enabled = False
                 return None
-        ys = _GroupCall.apply(x, self._shim_id)  # eager only: fusion is off while tracing
+        if x.requires_grad and torch.is_grad_enabled():
+            ys = _GroupCall.apply(x, self._shim_id)  # eager only: fusion is off while tracing
+        else:  # nothing for autograd to record
+            ys = _split(x, self._shim_id)
         self._kept = {i: y for i, y in enumerate(ys) if i != member}
         self._x, self._state = x, _state(x)
         return ys[member]
@@ -92,13 +95,22 @@ class _GroupCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        g = _SHIMS[group]
-        y = g._remote(x, pb.FORWARD)  # [..., sum of the members' widths]
-        return tuple(part.clone(memory_format=torch.contiguous_format) for part in y.split(g.sizes, dim=-1))
+        return _split(x, group)
 
     @staticmethod
     def backward(ctx, *grads):
         return call_unit(torch.cat(grads, dim=-1), ctx.group, pb.BACKWARD), None
+
+
+def _split(x: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """The group's FORWARD, [..., sum of the members' widths], copied out of the transport's
+    result in place as one contiguous tensor per member."""
+    g = _SHIMS[group]
+
+    def take(y):
+        return tuple(part.clone(memory_format=torch.contiguous_format) for part in y.split(g.sizes, dim=-1))
+
+    return g._remote(x, pb.FORWARD, take)
 
 
 def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer]) -> list[FusedGroup]:

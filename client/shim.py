@@ -109,8 +109,13 @@ def tracing() -> bool:
 
 
 def call_unit(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
-    """`op` of shim's unit on x: the custom op while tracing, its cheaper eager twin otherwise."""
-    return unit_call(x, shim, op) if tracing() else _UnitCall.apply(x, shim, op)
+    """`op` of shim's unit on x: the custom op while tracing, its cheaper eager twin otherwise,
+    or, when autograd has nothing to record (inference), the call itself."""
+    if tracing():
+        return unit_call(x, shim, op)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _UnitCall.apply(x, shim, op)
+    return _SHIMS[shim]._remote(x, op)
 
 
 # ---- shims --------------------------------------------------------------------------
@@ -140,9 +145,9 @@ class UnitRef:
             return tuple(shape) + (self._d_out,)
         return tuple(shape[:-1]) + ((self._d_in,) if op == pb.BACKWARD else (self._d_out,))
 
-    def _remote(self, x: torch.Tensor, op: int) -> torch.Tensor:
+    def _remote(self, x: torch.Tensor, op: int, take=None):
         latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
-        return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency)
+        return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency, take)
 
 
 class VirtLayer(UnitRef, nn.Module):

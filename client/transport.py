@@ -40,8 +40,10 @@ class Transport(abc.ABC):
         """Sets up the data plane from the attach reply (map mailboxes, open streams)."""
 
     @abc.abstractmethod
-    def _call(self, request: pb.CallRequest, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
-        """Carries one call and returns the result as a fresh tensor; raises on a non-OK status."""
+    def _call(self, request: pb.CallRequest, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, take=None):
+        """Carries one call and returns the result as a fresh tensor; raises on a non-OK status.
+        take: None, or a function given the result in place (valid only during the call) whose
+        return value, fresh tensors made from it, is returned instead."""
 
     @abc.abstractmethod
     def _teardown(self) -> None:
@@ -88,18 +90,20 @@ class Transport(abc.ABC):
     def is_attached(self) -> bool:
         return self.tenant_id != 0
 
-    def call(self, unit: str, op: int, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, latency: int) -> torch.Tensor:
-        """Runs `op` of `unit` on x at the executor; returns a tensor of out_shape/out_dtype on x's device."""
+    def call(self, unit: str, op: int, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, latency: int, take=None):
+        """Runs `op` of `unit` on x at the executor; returns a tensor of out_shape/out_dtype on x's
+        device, or what take(result) makes of it (see _call): one copy less when take copies anyway."""
         if not isinstance(x, torch.Tensor):
             raise InvalidCallError(f"unit {unit!r} takes a tensor, got {type(x).__name__}")
         if x.dim() == 0:
             raise InvalidCallError(f"unit {unit!r} takes a tensor with at least one dimension, got a scalar")
         req = pb.CallRequest(unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency)
         if math.prod(out_shape) == 0:
-            return torch.empty(out_shape, dtype=out_dtype, device=x.device)
+            y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+            return y if take is None else take(y)
         with self._lock:
             req.call_id = next(self._ids)
-            return self._call(req, x.detach().contiguous(), out_shape, out_dtype)
+            return self._call(req, x.detach().contiguous(), out_shape, out_dtype, take)
 
     def close(self) -> None:
         """Detaches (the executor frees the mailbox) and releases local resources. Idempotent;

@@ -61,6 +61,13 @@ def _driver():
         lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+            fn = getattr(lib, name + "_v2", None) or getattr(lib, name)  # _v2 since CUDA 11.7
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            setattr(lib, "_" + name, fn)
         _lib = lib
     return _lib
 
@@ -98,6 +105,55 @@ def pin_host(device: torch.device, ptr: int, nbytes: int) -> None:
     DMA, with no staging copy; `ptr` and `nbytes` must be page-aligned."""
     with _current(device):
         _check(_driver().cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE), f"cuMemHostRegister({nbytes})")
+
+
+_HOST_REGISTER_DEVICEMAP = 2
+_WAIT_GEQ = 0  # (int32)(*addr - value) >= 0: a cyclic comparison, so the counter may wrap
+
+
+def map_host_words(device: torch.device, ptr: int, nbytes: int) -> int:
+    """Page-locks host memory and maps it for the GPU; returns the device address of `ptr`. The
+    GPU can then write words there (stream_write) and wait on them (stream_wait)."""
+    lib = _driver()
+    with _current(device):
+        _check(lib.cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP), f"cuMemHostRegister({nbytes})")
+        dptr = ctypes.c_uint64()
+        rc = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0)
+        if rc != 0:
+            lib.cuMemHostUnregister(ptr)
+            _check(rc, "cuMemHostGetDevicePointer")
+    return dptr.value
+
+
+def stream_write(stream: int, dptr: int, value: int) -> None:
+    """Queues on `stream` a write of the 32-bit `value` to `dptr`, after a memory fence: when the
+    word changes, everything the stream did before is visible."""
+    _check(_driver()._cuStreamWriteValue32(stream, dptr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
+def stream_wait(stream: int, dptr: int, value: int) -> None:
+    """Queues on `stream` a wait until the word at `dptr` has reached `value` (cyclically)."""
+    _check(_driver()._cuStreamWaitValue32(stream, dptr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def reached(word: int, value: int) -> bool:
+    """The host's reading of stream_wait's condition."""
+    return (word - value) & 0xFFFFFFFF < 0x80000000
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A stream nobody else uses (torch's pool hands the same streams out again): what waits on
+    it stalls nothing else. Free it with drop_stream."""
+    s = ctypes.c_void_p()
+    with _current(device):
+        _check(_driver().cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")  # 1: non-blocking
+    return torch.cuda.ExternalStream(s.value, device=device)
+
+
+def drop_stream(device: torch.device, stream: torch.cuda.ExternalStream) -> None:
+    """Destroys a stream from own_stream; work still queued on it completes first."""
+    with _current(device):
+        _check(_driver().cuStreamDestroy_v2(stream.cuda_stream), "cuStreamDestroy")
 
 
 def unpin_host(device: torch.device, ptr: int) -> None:

@@ -10,6 +10,8 @@ Mailbox layout (offsets in bytes):
     [REPLY_RING_OFFSET,   +RING_REGION)   executor -> tenant replies (csrc Ring)
     [REPLY_BELL_OFFSET,   +8)             doorbell the executor rings after a reply
     [DETACHED_OFFSET,     +4)             non-zero once the executor has detached the tenant
+    [INPUT_WORD_OFFSET,   +4)             same GPU: the tenant's stream writes a call's input_seq here
+                                          once its input is in place; the executor's stream waits on it
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+
+import torch
 
 from proto import codec
 from proto._doorbell import Doorbell, Ring
@@ -30,6 +34,9 @@ REQUEST_RING_OFFSET = 0
 REPLY_RING_OFFSET = REQUEST_RING_OFFSET + RING_REGION
 REPLY_BELL_OFFSET = REPLY_RING_OFFSET + RING_REGION
 DETACHED_OFFSET = REPLY_BELL_OFFSET + 64
+INPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 128
+WORDS_PAGE = (REPLY_BELL_OFFSET, 4096)  # the page holding the words a GPU reads or writes
+INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
 DATA_OFFSET = REPLY_BELL_OFFSET + 4096
 WAKE_BYTES = 4096
 ALIGN = 64
@@ -93,6 +100,17 @@ class Mailbox:
     @property
     def detached(self) -> bool:
         return self.mem[DETACHED_OFFSET : DETACHED_OFFSET + 4] != b"\0\0\0\0"
+
+    def words_address(self) -> int:
+        """Host address of WORDS_PAGE in this process (no buffer export is kept)."""
+        return torch.frombuffer(self.mem, dtype=torch.uint8, offset=WORDS_PAGE[0], count=WORDS_PAGE[1]).data_ptr()
+
+    def input_word(self) -> int:
+        return int.from_bytes(self.mem[INPUT_WORD_OFFSET : INPUT_WORD_OFFSET + 4], "little")
+
+    def set_input_word(self, value: int) -> None:
+        """Executor side: releases whatever waits on the word for `value` (a detached tenant's call)."""
+        self.mem[INPUT_WORD_OFFSET : INPUT_WORD_OFFSET + 4] = (value & 0xFFFFFFFF).to_bytes(4, "little")
 
     def mark_detached(self) -> None:
         """Executor side: tells a tenant still waiting here that nobody serves this mailbox any more."""

@@ -183,6 +183,81 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
         torch.testing.assert_close(got["y"], want)
 
 
+def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
+    """A lone same-GPU tenant's call whose input copy sits behind a long kernel is taken at once:
+    the executor's GPU waits for the input on the tenant's own stream (the reply comes before
+    the input is there), the result is still right, and another tenant arriving meanwhile is
+    served on the executor's stream at once."""
+    import time
+
+    from client import connect
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        slow = connect(ex.url)
+        slow.ensure_attached("cuda:0")
+        d_in = next(u.in_features for u in slow.catalog().units if u.id == unit)
+        x = torch.randn(3, d_in, device="cuda:0")
+        # once: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy loading)
+        # synchronises the executor's GPU work, and so waits for a waiting stream (README)
+        slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+        bystander = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        ref = build_builtin("tiny-llama").cuda()
+        probe = ids(1, 5).cuda()
+        with torch.no_grad():
+            bystander(probe)
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU time ahead of the input copy
+        y = slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+        replied_in = time.monotonic() - t0
+        assert not torch.cuda.current_stream().query(), "the sleep should still run"
+        side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
+        with torch.no_grad(), torch.cuda.stream(side):
+            t1 = time.monotonic()
+            got = bystander(probe).logits
+            side.synchronize()
+            served_in = time.monotonic() - t1
+            want = ref(probe).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert replied_in < 1.0, f"the reply took {replied_in:.2f} s: the call was held for its input"
+        assert served_in < 1.0, f"the bystander waited {served_in:.2f} s behind a waiting stream"
+        expected = connect(ex.url)
+        expected.ensure_attached("cuda:0")
+        torch.testing.assert_close(y, expected.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE))
+
+
+def test_tenant_killed_while_the_gpu_waits_for_its_input():
+    """The executor's stream waits for a tenant's input word when the tenant is killed: the
+    executor releases the wait, detaches the tenant, frees its memory and keeps serving."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from client import connect
+    from tests.conftest import REPO
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        victim = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "gpu_stall_job.py"), ex.url],
+                                  stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert victim.stdout.readline().strip() == "called"
+        victim.kill()
+        victim.wait()
+        with connect(ex.url) as observer:
+            deadline = time.monotonic() + 20
+            while (observer.stats().tenants != 0 or observer.stats().mailbox_bytes != 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = observer.stats()
+        assert after.tenants == 0 and after.mailbox_bytes == 0
+        ref = build_builtin("tiny-llama").cuda()
+        virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        x = ids(2, 9).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
     """A detached same-GPU tenant's region is not freed while its process lives (it may still
     map it); the same process attaching again gets it back instead of a new one."""

@@ -23,6 +23,7 @@ import torch
 
 from proto import executor_pb2 as pb
 from proto import mailbox
+from proto.cuda_ipc import reached
 from proto.procs import start_time
 
 log = logging.getLogger("base_executor")
@@ -44,6 +45,10 @@ class Areas:
     box: mailbox.Mailbox  # rings, reply doorbell, and the data area of a host tenant
     pinned: int = 0  # address of the page-locked host data area, 0 when not page-locked
     gpu: "object | None" = None  # proto.cuda_ipc.DeviceRegion: the data area of a tenant on our GPU
+    words: int = 0  # device address of the mailbox's input word, 0 when our GPU cannot wait on it
+    stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
+    awaiting: int = 0  # the input_seq queued on `stream` to wait for (0: none)
+    warm: bool = False  # the data loop's GEMMs have run on `stream` once
 
     @property
     def data(self):
@@ -53,6 +58,19 @@ class Areas:
     @property
     def data_bytes(self) -> int:
         return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
+
+    def waiting(self) -> bool:
+        """Whether `stream` still waits for a tenant's input (the word has not reached it yet)."""
+        if self.awaiting and reached(self.box.input_word(), self.awaiting):
+            self.awaiting = 0
+        return bool(self.awaiting)
+
+    def release_wait(self) -> None:
+        """Lets `stream` go on whatever the tenant does: its call then reads a stale input that
+        nobody will read the result of (the tenant is detached)."""
+        if self.awaiting:
+            self.box.set_input_word(self.awaiting)
+            self.awaiting = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,6 +82,8 @@ class Tenant:
     token: str
     areas: Areas
     held: tuple[pb.CallRequest, float] | None = None  # a same-GPU call whose input copy is still running
+    waiting_since: float = 0.0  # when the call `areas.stream` waits for was taken
+    last_call: float = 0.0  # when its last call was taken from its ring
 
     @property
     def box(self) -> mailbox.Mailbox:
@@ -95,6 +115,7 @@ class AreaPool:
         try:
             if on_gpu:
                 areas.gpu = self._region(owner, data_bytes)
+                self._map_words(areas)
             elif self.device.type == "cuda" and host_bytes:
                 from proto.cuda_ipc import pin_host
 
@@ -106,6 +127,19 @@ class AreaPool:
             os.close(fd)
             raise
         return areas
+
+    def _map_words(self, areas: Areas) -> None:
+        """Lets our GPU wait on the tenant's input word, on a stream of the tenant's own; where the
+        driver cannot, the tenant's calls wait on the host for its input_ready event instead."""
+        from proto.cuda_ipc import map_host_words, own_stream
+
+        try:
+            page = map_host_words(self.device, areas.box.words_address(), mailbox.WORDS_PAGE[1])
+            areas.words = page + mailbox.INPUT_WORD_IN_PAGE
+        except RuntimeError as e:
+            log.warning("GPU waits on mailbox words unavailable (%s): same-GPU calls wait on the host", e)
+            return
+        areas.stream = own_stream(self.device)
 
     def _region(self, owner: Owner, nbytes: int):
         from proto.cuda_ipc import DeviceRegion
@@ -128,12 +162,22 @@ class AreaPool:
         with self._lock:
             retired, self._retired = self._retired, []
         for areas, owner in retired:
+            if areas.waiting() and owner_alive(owner):  # outgrown under a call: let that call finish
+                with self._lock:
+                    self._retired.append((areas, owner))
+                continue
             drop_calls(areas.data)  # calls still queued read the area: they go first
-            if areas.pinned:
-                from proto.cuda_ipc import unpin_host
+            if areas.pinned or areas.words:
+                from proto.cuda_ipc import drop_stream, unpin_host
 
-                torch.cuda.synchronize(self.device)  # an input copy already queued may still read it
-                unpin_host(self.device, areas.pinned)
+                areas.release_wait()  # (its tenant is detached)
+                if areas.stream is not None:
+                    areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
+                    drop_stream(self.device, areas.stream)
+                    areas.stream = None
+                # an input copy on our stream may still read a page-locked data area
+                torch.cuda.current_stream(self.device).synchronize()
+                unpin_host(self.device, areas.pinned or areas.box.words_address())
             areas.box.close()
             os.close(areas.fd)
             if areas.gpu is not None:

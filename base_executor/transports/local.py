@@ -31,10 +31,13 @@ from base_executor.scheduler import Call
 from base_executor.transports.areas import AreaPool, Tenant, owner_alive
 from base_executor.transports.local_control import LocalControl
 from proto import codec, mailbox, urls
+from proto.cuda_ipc import reached, stream_wait
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
 log = logging.getLogger("base_executor")
+
+HELD_POLL_S = 5e-6  # how soon a held call's input copy is looked at again
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,9 @@ class LocalServerConfig:
     """How long the data loop spins on the wake word before sleeping."""
     liveness_interval_s: float = 0.5
     """How often tenant processes are checked for being alive."""
+    gpu_waits: bool = True
+    """Whether a lone same-GPU tenant's call may be taken before its input copy is done, its GEMM
+    queued on the tenant's own stream behind a GPU wait (else such calls wait on the host)."""
     input_timeout_s: float = 30.0
     """How long a same-GPU tenant's input copy may take to finish before the tenant is detached."""
 
@@ -69,7 +75,7 @@ class LocalServer(LocalControl):
         self.skeleton = skeleton
         self.config = config
         self.endpoint = urls.control_endpoint(config.name)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a call run while draining delivers under it too
         self.tenants: dict[int, Tenant] = {}
         # detached tenants' and outgrown data areas are released by the data loop between
         # batches (never under a running batch; the scheduler is only ever touched by that thread)
@@ -133,7 +139,8 @@ class LocalServer(LocalControl):
         while True:
             seq = self.wake.seq()
             stopping = self.stopping.is_set()
-            self._release_retired()
+            if not self._gpu_waits():  # freeing memory may wait for every stream of our GPU
+                self._release_retired()
             with self.lock:
                 tenants = list(self.tenants.values())
                 got = sum(self._drain_safely(t, stopping) for t in tenants)
@@ -157,7 +164,7 @@ class LocalServer(LocalControl):
             deadline = self.core.scheduler.next_deadline()
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
-                until = min(until, time.monotonic() + 20e-6)
+                until = min(until, time.monotonic() + HELD_POLL_S)
             self.wake.wait(seq, self.config.spin_us, max(0, int((until - time.monotonic()) * 1e6)))
 
     def _drain_safely(self, t: Tenant, stopping: bool) -> int:
@@ -169,13 +176,19 @@ class LocalServer(LocalControl):
             return 0
 
     def _drain(self, t: Tenant, stopping: bool) -> int:
-        """Moves every call in t's request ring into the core (or answers it with an error). A
-        same-GPU call whose input copy is still running is held (its successors wait behind it)."""
+        """Moves every call in t's request ring into the core (or answers it with an error).
+
+        A same-GPU call whose input copy is still running either runs at once on the tenant's own
+        stream, which the GPU makes wait for the copy (when no other tenant's call could join it
+        in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
             if t.held is not None:
                 req, since = t.held
-                if not t.gpu.input_ready.query():
+                if not self._input_in(t, req):
+                    if self._run_waiting(t, req):
+                        t.held = None
+                        continue
                     if time.monotonic() - since > self.config.input_timeout_s:
                         self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
                     return n
@@ -189,14 +202,17 @@ class LocalServer(LocalControl):
                 if raw is None:
                     return n
                 n += 1
+                t.last_call = time.monotonic()
                 try:
                     req = pb.CallRequest.FromString(raw)
                 except DecodeError as e:
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
                     continue
-                if t.gpu is not None and not stopping and not t.gpu.input_ready.query():
-                    t.held = (req, time.monotonic())
+                if t.gpu is not None and not stopping and not self._input_in(t, req):
+                    if not self._run_waiting(t, req):
+                        log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
+                        t.held = (req, time.monotonic())
                     continue
             if stopping:
                 self._reply_error(t, req.call_id, CallError(pb.UNAVAILABLE, "executor is shutting down"))
@@ -207,6 +223,57 @@ class LocalServer(LocalControl):
                 self.core.counters.errors += 1
                 self._reply_error(t, req.call_id, e)
         return n
+
+    def _input_in(self, t: Tenant, req: pb.CallRequest) -> bool:
+        """Whether a same-GPU call's input copy has finished."""
+        if req.input_seq and t.areas.words:
+            return reached(t.box.input_word(), req.input_seq)
+        return t.gpu.input_ready.query()
+
+    def _run_waiting(self, t: Tenant, req: pb.CallRequest) -> bool:
+        """Runs a call whose input is still being copied on t's own stream, behind a GPU wait for
+        its input word, when nothing would join it in a batch anyway (every other tenant already
+        has a call in). The host never waits for the tenant's GPU work, and a tenant whose copy
+        never ends stalls only its own stream. False when the call must be held instead."""
+        areas = t.areas
+        if not (self.config.gpu_waits and req.input_seq and areas.stream is not None):
+            return False
+        unit = self.core.table.get(req.unit)
+        if unit is None or unit.kind == "embedding":  # its ids are checked on the host
+            return False
+        if any(self._may_join(o, t) for o in self.tenants.values()):
+            return False
+        if not areas.warm:
+            # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
+            # the stream's workspace): do that once, while no stream of ours waits on a tenant.
+            if self._gpu_waits():
+                return False
+            self.core.warm_up(areas.stream)
+            areas.warm = True
+        try:
+            call = self._to_call(t, req)
+        except CallError as e:
+            self.core.counters.errors += 1
+            self._reply_error(t, req.call_id, e)
+            return True
+        stream = areas.stream
+        log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
+        stream_wait(stream.cuda_stream, areas.words, req.input_seq)
+        areas.awaiting, t.waiting_since = req.input_seq, time.monotonic()  # (releasing it releases any before)
+        call.tag = (t, call.tag[1], call.tag[2], stream)
+        torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
+        try:
+            self._deliver(self.core.run_now(call))
+        finally:
+            torch.cuda.set_stream(self._stream)
+        return True
+
+    def _may_join(self, o: Tenant, t: Tenant) -> bool:
+        """Whether tenant o may send a call soon enough to share a batch with t's: it has none in,
+        and it called within the longest wait the scheduler gives a call."""
+        if o is t or o.held is not None or self.core.scheduler.waiting(o.id):
+            return False
+        return time.monotonic() - o.last_call < self.core.scheduler.config.max_wait_us * 1e-6
 
     def _to_call(self, t: Tenant, req: pb.CallRequest) -> Call:
         if req.payload:
@@ -252,15 +319,15 @@ class LocalServer(LocalControl):
             out_shape=out_shape,
             latency=req.latency,
             arrived=time.monotonic(),
-            tag=(t, area, req.out_offset),
+            tag=(t, area, req.out_offset, None),  # None: the data loop's stream runs it
             out=out,
         )
 
     def _deliver(self, results: list[Result]) -> None:
-        rung: set[int] = set()
+        rung: dict[int, object] = {}  # tenant id -> the stream that wrote its results
         with self.lock:
             for r in results:
-                t, area, out_offset = r.call.tag
+                t, area, out_offset, stream = r.call.tag
                 if self.tenants.get(t.id) is not t or t.area is not area:
                     continue  # detached or regrown mid-call: nobody to tell
                 try:
@@ -269,12 +336,12 @@ class LocalServer(LocalControl):
                     log.exception("delivering to tenant %d failed", t.id)
                     self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
                     continue
-                rung.add(t.id)
-            for tid in rung:
+                rung[t.id] = stream or self._stream
+            for tid, stream in rung.items():
                 t = self.tenants.get(tid)
                 if t is not None:
                     if t.gpu is not None:  # the tenant's read waits on the GPU for our writes
-                        t.gpu.output_ready.record(self._stream)
+                        t.gpu.output_ready.record(stream)
                     t.box.reply_bell.ring()
 
     def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> None:
@@ -300,17 +367,28 @@ class LocalServer(LocalControl):
             self._reclaim(t, f"reply ring full: the tenant has not read its last {mailbox.RING_SLOTS} replies")
 
     def _check_liveness(self) -> None:
+        now = time.monotonic()
         with self.lock:
             for t in list(self.tenants.values()):
                 if not owner_alive(t.owner):
                     self._reclaim(t, f"process {t.pid} is gone")
+                elif t.areas.waiting() and now - t.waiting_since > self.config.input_timeout_s:
+                    self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
+            if self._gpu_waits():
+                return
         self.areas.reap()
+
+    def _gpu_waits(self) -> bool:
+        """Whether a tenant's stream still waits on the GPU for its input."""
+        with self.lock:
+            return any(t.areas.waiting() for t in self.tenants.values())
 
     def _reclaim(self, t: Tenant, why: str) -> None:
         """Detaches t (caller holds the lock). A tenant still waiting learns it from its mailbox;
         its queued calls and memory are released by the data loop between batches."""
         if self.tenants.pop(t.id, None) is None:
             return
+        t.areas.release_wait()
         t.box.mark_detached()
         self.areas.retire(t.areas, t.owner)
         self.wake.ring()

@@ -116,7 +116,7 @@ class LocalControl:
                 data_offset=mailbox.DATA_OFFSET,
                 data_bytes=areas.data_bytes,
                 max_mailbox_bytes=self.config.max_mailbox_bytes,
-                cuda=_cuda_region(areas.gpu),
+                cuda=_cuda_region(areas),
             ),
         )
 
@@ -136,7 +136,7 @@ class LocalControl:
                 mailbox=_shared(t.areas),
                 data_offset=mailbox.DATA_OFFSET,
                 data_bytes=t.areas.data_bytes,
-                cuda=_cuda_region(t.gpu),
+                cuda=_cuda_region(t.areas),
             ),
         )
 
@@ -167,11 +167,12 @@ def _shared(areas: Areas) -> pb.SharedRegion:
     return pb.SharedRegion(owner_pid=os.getpid(), fd=areas.fd, size=mailbox.Mailbox.total_bytes(areas.box.data_bytes))
 
 
-def _cuda_region(gpu) -> pb.CudaRegion | None:
+def _cuda_region(areas: Areas) -> pb.CudaRegion | None:
+    gpu = areas.gpu
     if gpu is None:
         return None
     mem, inp, out = gpu.handles()
-    return pb.CudaRegion(mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out)
+    return pb.CudaRegion(mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out, input_word=bool(areas.words))
 
 
 def _error(code: int, message: str) -> pb.ControlReply:

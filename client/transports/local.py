@@ -22,6 +22,7 @@ from client.errors import (
 )
 from client.transport import Transport
 from proto import codec, mailbox, urls
+from proto.cuda_ipc import stream_write
 from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
@@ -42,6 +43,8 @@ class LocalTransport(Transport):
         self._wake_mem = self._wake = None
         self._box: mailbox.Mailbox | None = None
         self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
+        self._words = 0  # device address of the mailbox's input word, when our GPU writes it
+        self._seq = 0  # the last input_seq written there
         self._max_data = 0
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
@@ -95,12 +98,7 @@ class LocalTransport(Transport):
 
     def _map(self, reply: pb.AttachReply | pb.GrowReply) -> None:
         """Maps the mailbox (and device region) an attach or grow reply names, dropping the old."""
-        if self._box is not None:
-            self._box.close()
-            self._box = None
-        if self._gpu is not None:
-            self._gpu.close()
-            self._gpu = None
+        self._unmap()
         on_gpu = reply.HasField("cuda")
         region = reply.mailbox
         self._box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), 0 if on_gpu else reply.data_bytes)
@@ -111,6 +109,40 @@ class LocalTransport(Transport):
 
             c = reply.cuda
             self._gpu = OpenedRegion.open(self.area_device, c.size, c.mem_handle, c.input_ready, c.output_ready)
+            if c.input_word:
+                self._map_words()
+
+    def _map_words(self) -> None:
+        """Lets our GPU write the mailbox's input word (a call's input_seq, once its copy is done),
+        which the executor's GPU waits on; without it, calls record the input_ready event."""
+        from proto.cuda_ipc import map_host_words
+
+        self._seq = 0  # a new mailbox's word starts at 0
+        try:
+            page = map_host_words(self.area_device, self._box.words_address(), mailbox.WORDS_PAGE[1])
+            self._words = page + mailbox.INPUT_WORD_IN_PAGE
+        except RuntimeError:
+            self._words = 0
+
+    def _unmap(self) -> None:
+        """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
+        if self._gpu is not None:
+            try:
+                self._gpu.close()  # synchronises: no queued write of ours touches the words after
+            except Exception:  # the executor may be gone; its memory goes with it
+                pass
+            self._gpu = None
+        if self._words:
+            from proto.cuda_ipc import unpin_host
+
+            try:
+                unpin_host(self.area_device, self._box.words_address())
+            except RuntimeError:
+                pass
+            self._words = 0
+        if self._box is not None:
+            self._box.close()
+            self._box = None
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -121,7 +153,7 @@ class LocalTransport(Transport):
         want = min(max(need, 2 * self._data_bytes), self._max_data)
         self._map(self.control("grow", pb.GrowRequest(data_bytes=want)).grow)
 
-    def _call(self, request, x, out_shape, out_dtype):
+    def _call(self, request, x, out_shape, out_dtype, take=None):
         if self._box is None:
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
         if self._box.detached:
@@ -139,7 +171,12 @@ class LocalTransport(Transport):
         area.view(0, x.shape, x.dtype).copy_(x)
         if gpu is not None:
             stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
-            gpu.input_ready.record(stream)
+            if self._words and x.device == gpu.device:
+                self._seq = self._seq % 0xFFFFFFFF + 1  # never 0, which means "no word"
+                stream_write(stream.cuda_stream, self._words, self._seq)
+                request.input_seq = self._seq
+            else:
+                gpu.input_ready.record(stream)
         if not box.requests.push(request.SerializeToString()):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring(wake_always=True)
@@ -152,13 +189,17 @@ class LocalTransport(Transport):
         raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
+        y = area.view(reply.out_offset, out_shape, out_dtype)
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
             stream.wait_event(gpu.output_ready)
-            y = area.view(reply.out_offset, out_shape, out_dtype)
-            return y.clone() if x.device == gpu.device else torch.empty_like(y, device=x.device).copy_(y)
-        y = torch.empty(out_shape, dtype=out_dtype)
-        y.copy_(area.view(reply.out_offset, out_shape, out_dtype))
-        return y if x.device.type == "cpu" else y.to(x.device)
+            if x.device == gpu.device:
+                return y.clone() if take is None else take(y)
+            y = torch.empty_like(y, device=x.device).copy_(y)
+            return y if take is None else take(y)
+        if x.device.type == "cpu":
+            return torch.empty(out_shape, dtype=out_dtype).copy_(y) if take is None else take(y)
+        y = y.to(x.device)
+        return y if take is None else take(y)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
         while True:
@@ -185,15 +226,7 @@ class LocalTransport(Transport):
         )
 
     def _teardown(self) -> None:
-        if self._gpu is not None:
-            try:
-                self._gpu.close()
-            except Exception:  # the executor may be gone; its memory goes with it
-                pass
-            self._gpu = None
-        if self._box is not None:
-            self._box.close()
-            self._box = None
+        self._unmap()
         self._wake = None
         if self._wake_mem is not None:
             try:
