@@ -23,7 +23,6 @@ import torch
 
 from proto import executor_pb2 as pb
 from proto import mailbox
-from proto.cuda_ipc import reached
 from proto.procs import start_time
 
 log = logging.getLogger("base_executor")
@@ -60,8 +59,9 @@ class Areas:
         return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
 
     def waiting(self) -> bool:
-        """Whether `stream` still waits for a tenant's input (the word has not reached it yet)."""
-        if self.awaiting and reached(self.box.input_word(), self.awaiting):
+        """Whether `stream` may still wait for a tenant's input. Its own progress says so, not the
+        word, which the tenant could set back."""
+        if self.awaiting and self.stream.query():
             self.awaiting = 0
         return bool(self.awaiting)
 
@@ -131,15 +131,24 @@ class AreaPool:
     def _map_words(self, areas: Areas) -> None:
         """Lets our GPU wait on the tenant's input word, on a stream of the tenant's own; where the
         driver cannot, the tenant's calls wait on the host for its input_ready event instead."""
-        from proto.cuda_ipc import map_host_words, own_stream
+        from proto.cuda_ipc import drop_stream, map_host_words, own_stream, stream_wait, stream_write, unpin_host
 
         try:
             page = map_host_words(self.device, areas.box.words_address(), mailbox.WORDS_PAGE[1])
-            areas.words = page + mailbox.INPUT_WORD_IN_PAGE
         except RuntimeError as e:
             log.warning("GPU waits on mailbox words unavailable (%s): same-GPU calls wait on the host", e)
             return
-        areas.stream = own_stream(self.device)
+        words, stream = page + mailbox.INPUT_WORD_IN_PAGE, own_stream(self.device)
+        try:  # the driver may map the page but not run stream memory operations on it
+            stream_write(stream.cuda_stream, words, 0)
+            stream_wait(stream.cuda_stream, words, 0)
+            stream.synchronize()
+        except RuntimeError as e:
+            log.warning("GPU waits on mailbox words unavailable (%s): same-GPU calls wait on the host", e)
+            drop_stream(self.device, stream)
+            unpin_host(self.device, areas.box.words_address())
+            return
+        areas.words, areas.stream = words, stream
 
     def _region(self, owner: Owner, nbytes: int):
         from proto.cuda_ipc import DeviceRegion
@@ -195,6 +204,11 @@ class AreaPool:
             for region in regions:
                 region.free()
             log.info("device mailboxes of process %d freed", owner[0])
+
+    def any_waiting(self) -> bool:
+        """Whether a retired area's stream may still wait for its tenant's input."""
+        with self._lock:
+            return any(areas.waiting() for areas, _ in self._retired)
 
     def parked_bytes(self) -> int:
         with self._lock:

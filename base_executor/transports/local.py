@@ -117,7 +117,7 @@ class LocalServer(LocalControl):
             sock.close()
             with self.lock:
                 for t in list(self.tenants.values()):
-                    self._reclaim(t, "executor shutting down")
+                    self._reclaim(t, "executor shutting down", release=True)
             self._release_retired()
             self.areas.close()
             try:
@@ -258,8 +258,10 @@ class LocalServer(LocalControl):
             return True
         stream = areas.stream
         log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
+        if not areas.waiting():
+            t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
         stream_wait(stream.cuda_stream, areas.words, req.input_seq)
-        areas.awaiting, t.waiting_since = req.input_seq, time.monotonic()  # (releasing it releases any before)
+        areas.awaiting = req.input_seq  # (releasing it releases any before)
         call.tag = (t, call.tag[1], call.tag[2], stream)
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
@@ -324,30 +326,33 @@ class LocalServer(LocalControl):
         )
 
     def _deliver(self, results: list[Result]) -> None:
-        rung: dict[int, object] = {}  # tenant id -> the stream that wrote its results
+        replies: dict[int, tuple[object, list]] = {}  # tenant id -> (stream that wrote, replies)
         with self.lock:
             for r in results:
                 t, area, out_offset, stream = r.call.tag
                 if self.tenants.get(t.id) is not t or t.area is not area:
                     continue  # detached or regrown mid-call: nobody to tell
                 try:
-                    self._deliver_one(t, r, out_offset)
+                    reply = self._deliver_one(t, r, out_offset)
                 except Exception as e:  # one tenant's failed reply never stops the others'
                     log.exception("delivering to tenant %d failed", t.id)
                     self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
                     continue
-                rung[t.id] = stream or self._stream
-            for tid, stream in rung.items():
+                replies.setdefault(t.id, (stream or self._stream, []))[1].append(reply)
+            for tid, (stream, rs) in replies.items():
                 t = self.tenants.get(tid)
-                if t is not None:
-                    if t.gpu is not None:  # the tenant's read waits on the GPU for our writes
-                        t.gpu.output_ready.record(stream)
-                    t.box.reply_bell.ring()
+                if t is None:
+                    continue
+                if t.gpu is not None:  # recorded before any reply: the tenant's read waits for our writes
+                    t.gpu.output_ready.record(stream)
+                for reply in rs:
+                    self._push(t, reply)
+                t.box.reply_bell.ring()
 
-    def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> None:
+    def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> pb.CallReply:
+        """Writes r's result into t's mailbox (unless the GEMM wrote it there); returns its reply."""
         if r.error is not None:
-            self._push(t, pb.CallReply(call_id=r.call.call_id, status=r.error.status()))
-            return
+            return pb.CallReply(call_id=r.call.call_id, status=r.error.status())
         y = r.y
         dest = t.area.view(out_offset, y.shape, y.dtype)
         if dest.data_ptr() != y.data_ptr():  # not already written there by the GEMM
@@ -355,7 +360,7 @@ class LocalServer(LocalControl):
         reply = pb.CallReply(
             call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape), out_offset=out_offset
         )
-        self._push(t, reply)
+        return reply
 
     def _reply_error(self, t: Tenant, call_id: int, err: CallError) -> None:
         self._push(t, pb.CallReply(call_id=call_id, status=err.status()))
@@ -371,9 +376,9 @@ class LocalServer(LocalControl):
         with self.lock:
             for t in list(self.tenants.values()):
                 if not owner_alive(t.owner):
-                    self._reclaim(t, f"process {t.pid} is gone")
+                    self._reclaim(t, f"process {t.pid} is gone", release=True)
                 elif t.areas.waiting() and now - t.waiting_since > self.config.input_timeout_s:
-                    self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
+                    self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s", release=True)
             if self._gpu_waits():
                 return
         self.areas.reap()
@@ -381,14 +386,17 @@ class LocalServer(LocalControl):
     def _gpu_waits(self) -> bool:
         """Whether a tenant's stream still waits on the GPU for its input."""
         with self.lock:
-            return any(t.areas.waiting() for t in self.tenants.values())
+            return any(t.areas.waiting() for t in self.tenants.values()) or self.areas.any_waiting()
 
-    def _reclaim(self, t: Tenant, why: str) -> None:
+    def _reclaim(self, t: Tenant, why: str, release: bool = False) -> None:
         """Detaches t (caller holds the lock). A tenant still waiting learns it from its mailbox;
-        its queued calls and memory are released by the data loop between batches."""
+        its queued calls and memory are released by the data loop between batches. release: let
+        our stream's wait for its input go now (it is dead, stalled, or we stop); otherwise the
+        call it already has a reply for still gets its input, and its areas wait for that."""
         if self.tenants.pop(t.id, None) is None:
             return
-        t.areas.release_wait()
+        if release:
+            t.areas.release_wait()
         t.box.mark_detached()
         self.areas.retire(t.areas, t.owner)
         self.wake.ring()

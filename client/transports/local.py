@@ -161,6 +161,8 @@ class LocalTransport(Transport):
         if self._outstanding:  # an interrupted call is still running there: let it finish first
             self._wait_reply(self._box, self._outstanding)  # before a grow replaces the rings its reply comes on
             self._outstanding = 0
+            if self._gpu is not None:  # and our next copy-in must not overwrite what its GEMM reads
+                torch.cuda.current_stream(self._gpu.device).wait_event(self._gpu.output_ready)
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
         if need > self._data_bytes:
