@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit
+from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records
 from proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -67,7 +67,7 @@ class FusedGroup(UnitRef):
             if self._wasted >= WASTE_LIMIT:
                 self.enabled = False
                 return None
-        if x.requires_grad and torch.is_grad_enabled():
+        if records(x):
             ys = _GroupCall.apply(x, self._shim_id)  # eager only: fusion is off while tracing
         else:  # nothing for autograd to record
             ys = _split(x, self._shim_id)

@@ -108,12 +108,17 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+def records(x: torch.Tensor) -> bool:
+    """Whether autograd records an operation on x (else a call need not go through a Function)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def call_unit(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
     """`op` of shim's unit on x: the custom op while tracing, its cheaper eager twin otherwise,
     or, when autograd has nothing to record (inference), the call itself."""
     if tracing():
         return unit_call(x, shim, op)
-    if x.requires_grad and torch.is_grad_enabled():
+    if records(x):
         return _UnitCall.apply(x, shim, op)
     return _SHIMS[shim]._remote(x, op)
 

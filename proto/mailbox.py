@@ -105,6 +105,18 @@ class Mailbox:
         """Host address of WORDS_PAGE in this process (no buffer export is kept)."""
         return torch.frombuffer(self.mem, dtype=torch.uint8, offset=WORDS_PAGE[0], count=WORDS_PAGE[1]).data_ptr()
 
+    def map_input_word(self, device) -> int:
+        """Maps WORDS_PAGE for `device`'s streams (proto.cuda_ipc); returns the input word's
+        device address. Undo with unmap_words."""
+        from proto.cuda_ipc import map_host_words
+
+        return map_host_words(device, self.words_address(), WORDS_PAGE[1]) + INPUT_WORD_IN_PAGE
+
+    def unmap_words(self, device) -> None:
+        from proto.cuda_ipc import unpin_host
+
+        unpin_host(device, self.words_address())
+
     def input_word(self) -> int:
         return int.from_bytes(self.mem[INPUT_WORD_OFFSET : INPUT_WORD_OFFSET + 4], "little")
 

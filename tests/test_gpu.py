@@ -137,9 +137,20 @@ def test_cpu_tenant_of_gpu_executor_gets_page_locked_mailbox():
         assert "page-locked" in ex.log()
 
 
+def _gpu_tenant_and_input(url: str, unit: str):
+    """A connection attached on cuda:0 and a 3-token input for `unit` there."""
+    from client import connect
+
+    conn = connect(url)
+    conn.ensure_attached("cuda:0")
+    d_in = next(u.in_features for u in conn.catalog().units if u.id == unit)
+    return conn, torch.randn(3, d_in, device="cuda:0")
+
+
 def test_stalled_input_copy_does_not_stall_other_tenants():
     """A same-GPU tenant whose input copy sits behind a long kernel: the executor holds that
-    call (it polls the copy's event) and keeps serving everyone else meanwhile."""
+    call (or queues it behind a GPU wait on the tenant's own stream) and keeps serving everyone
+    else meanwhile."""
     import threading
     import time
 
@@ -148,10 +159,7 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
-        slow = connect(ex.url)
-        slow.ensure_attached("cuda:0")
-        d_in = next(u.in_features for u in slow.catalog().units if u.id == unit)
-        x = torch.randn(3, d_in, device="cuda:0")
+        slow, x = _gpu_tenant_and_input(ex.url, unit)
         expected = connect(ex.url)
         expected.ensure_attached("cuda:0")
         want = expected.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
@@ -195,10 +203,7 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
-        slow = connect(ex.url)
-        slow.ensure_attached("cuda:0")
-        d_in = next(u.in_features for u in slow.catalog().units if u.id == unit)
-        x = torch.randn(3, d_in, device="cuda:0")
+        slow, x = _gpu_tenant_and_input(ex.url, unit)
         # once: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy loading)
         # synchronises the executor's GPU work, and so waits for a waiting stream (README)
         slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)

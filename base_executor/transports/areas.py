@@ -131,22 +131,22 @@ class AreaPool:
     def _map_words(self, areas: Areas) -> None:
         """Lets our GPU wait on the tenant's input word, on a stream of the tenant's own; where the
         driver cannot, the tenant's calls wait on the host for its input_ready event instead."""
-        from proto.cuda_ipc import drop_stream, map_host_words, own_stream, stream_wait, stream_write, unpin_host
+        from proto.cuda_ipc import drop_stream, own_stream, stream_wait, stream_write
 
+        words = stream = None
         try:
-            page = map_host_words(self.device, areas.box.words_address(), mailbox.WORDS_PAGE[1])
-        except RuntimeError as e:
-            log.warning("GPU waits on mailbox words unavailable (%s): same-GPU calls wait on the host", e)
-            return
-        words, stream = page + mailbox.INPUT_WORD_IN_PAGE, own_stream(self.device)
-        try:  # the driver may map the page but not run stream memory operations on it
+            words = areas.box.map_input_word(self.device)
+            stream = own_stream(self.device)
+            # the driver may map the page but not run stream memory operations on it
             stream_write(stream.cuda_stream, words, 0)
             stream_wait(stream.cuda_stream, words, 0)
             stream.synchronize()
         except RuntimeError as e:
             log.warning("GPU waits on mailbox words unavailable (%s): same-GPU calls wait on the host", e)
-            drop_stream(self.device, stream)
-            unpin_host(self.device, areas.box.words_address())
+            if stream is not None:
+                drop_stream(self.device, stream)
+            if words is not None:
+                areas.box.unmap_words(self.device)
             return
         areas.words, areas.stream = words, stream
 
@@ -176,17 +176,19 @@ class AreaPool:
                     self._retired.append((areas, owner))
                 continue
             drop_calls(areas.data)  # calls still queued read the area: they go first
-            if areas.pinned or areas.words:
-                from proto.cuda_ipc import drop_stream, unpin_host
+            if areas.words:
+                from proto.cuda_ipc import drop_stream
 
                 areas.release_wait()  # (its tenant is detached)
-                if areas.stream is not None:
-                    areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
-                    drop_stream(self.device, areas.stream)
-                    areas.stream = None
-                # an input copy on our stream may still read a page-locked data area
-                torch.cuda.current_stream(self.device).synchronize()
-                unpin_host(self.device, areas.pinned or areas.box.words_address())
+                areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
+                drop_stream(self.device, areas.stream)
+                areas.stream = None
+                areas.box.unmap_words(self.device)
+            if areas.pinned:
+                from proto.cuda_ipc import unpin_host
+
+                torch.cuda.current_stream(self.device).synchronize()  # an input copy queued may still read it
+                unpin_host(self.device, areas.pinned)
             areas.box.close()
             os.close(areas.fd)
             if areas.gpu is not None:

@@ -115,12 +115,9 @@ class LocalTransport(Transport):
     def _map_words(self) -> None:
         """Lets our GPU write the mailbox's input word (a call's input_seq, once its copy is done),
         which the executor's GPU waits on; without it, calls record the input_ready event."""
-        from proto.cuda_ipc import map_host_words
-
         self._seq = 0  # a new mailbox's word starts at 0
         try:
-            page = map_host_words(self.area_device, self._box.words_address(), mailbox.WORDS_PAGE[1])
-            self._words = page + mailbox.INPUT_WORD_IN_PAGE
+            self._words = self._box.map_input_word(self.area_device)
         except RuntimeError:
             self._words = 0
 
@@ -133,10 +130,8 @@ class LocalTransport(Transport):
                 pass
             self._gpu = None
         if self._words:
-            from proto.cuda_ipc import unpin_host
-
             try:
-                unpin_host(self.area_device, self._box.words_address())
+                self._box.unmap_words(self.area_device)
             except RuntimeError:
                 pass
             self._words = 0
@@ -194,14 +189,10 @@ class LocalTransport(Transport):
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
             stream.wait_event(gpu.output_ready)
-            if x.device == gpu.device:
-                return y.clone() if take is None else take(y)
-            y = torch.empty_like(y, device=x.device).copy_(y)
+        if y.device != x.device:  # a fresh copy on the caller's device
+            y = y.to(x.device) if gpu is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)
-        if x.device.type == "cpu":
-            return torch.empty(out_shape, dtype=out_dtype).copy_(y) if take is None else take(y)
-        y = y.to(x.device)
-        return y if take is None else take(y)
+        return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
         while True:
