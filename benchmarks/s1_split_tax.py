@@ -56,6 +56,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--no-fuse", action="store_true", help="one remote call per unit (no sibling fusion)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
     p.add_argument("--device", default="cuda:0", help="the executor's and the tenant's device (cpu: a smoke test)")
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
@@ -76,6 +77,7 @@ def main() -> int:
         base = base.to(dev)
         wait_for_executor(url, 900, proc)
         conn = connect(url)
+        conn.transport.return_early = not a.wait_replies
         virt = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -143,6 +145,7 @@ def main() -> int:
         proc.wait(120)
     out = {
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
+        "wait_replies": a.wait_replies, "serve_args": a.serve_args,
         "seconds": results, "symbiont_calls": calls,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "overhead_per_call_us": {
@@ -152,7 +155,8 @@ def main() -> int:
     }
     (out_dir / f"s1_split_tax-{a.model}.json").write_text(json.dumps(out, indent=2))
     goals = {"finetune": 1.15, "decode": 1.10, "prefill": 1.10}
-    print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{'' if not a.no_fuse else ' (no fusion)'}")
+    how = (" (no fusion)" if a.no_fuse else "") + (" (calls wait for replies)" if a.wait_replies else "") + (f" (serve {a.serve_args})" if a.serve_args else "")
+    print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{how}")
     print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}")
     for k in ("finetune", "decode", "prefill"):
         v = results[k]

@@ -73,7 +73,8 @@ def main() -> int:
     p.add_argument("--label", default="")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
-    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu peer-gpu")
+    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-wait peer-gpu "
+                   "(same-gpu-wait: each call waits for its reply instead of returning before it)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -85,7 +86,8 @@ def main() -> int:
         if torch.cuda.device_count() > 1:
             placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
-            placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0")]
+            placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
+                           ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0")]
             wg = w.to("cuda", torch.bfloat16)
             rows["GEMM alone (GPU, bf16)"] = {
                 n: median_us(lambda x=torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16): torch.nn.functional.linear(x, wg), sync, a.calls)
@@ -104,6 +106,7 @@ def main() -> int:
                 conn = connect(url, spin_us=spin)
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
+                t.return_early = not name.startswith("same-gpu-wait")
                 tdtype = getattr(torch, dtype)
                 row = {}
                 for n in TOKENS:

@@ -71,10 +71,17 @@ _BY_CODE = {
 }
 
 
-def raise_for_status(status: pb.Status, context: str = "") -> None:
-    """Raises the exception of a non-OK status; returns for OK."""
+def error_for_status(status: pb.Status, context: str = "") -> SymbiontError | None:
+    """The exception of a non-OK status; None for OK."""
     if status.code == pb.OK:
-        return
+        return None
     cls = _BY_CODE.get(status.code, InternalError)
     prefix = f"{context}: " if context else ""
-    raise cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")
+    return cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")
+
+
+def raise_for_status(status: pb.Status, context: str = "") -> None:
+    """Raises the exception of a non-OK status; returns for OK."""
+    error = error_for_status(status, context)
+    if error is not None:
+        raise error

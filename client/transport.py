@@ -45,6 +45,9 @@ class Transport(abc.ABC):
         take: None, or a function given the result in place (valid only during the call) whose
         return value, fresh tensors made from it, is returned instead."""
 
+    def _confirm(self) -> None:
+        """Backends whose calls may return before their reply: waits for every reply (see confirm)."""
+
     @abc.abstractmethod
     def _teardown(self) -> None:
         """Releases the data plane (after detach, or when the executor is gone)."""
@@ -105,6 +108,14 @@ class Transport(abc.ABC):
             req.call_id = next(self._ids)
             return self._call(req, x.detach().contiguous(), out_shape, out_dtype, take)
 
+    def confirm(self) -> None:
+        """Waits until the executor has answered every call made so far and raises the first
+        failure among them. A same-GPU call returns before its reply (its result is ordered on
+        the GPU), so a failure may surface only at a later call or here; virtualize() confirms
+        at the end of every forward and backward pass."""
+        with self._lock:
+            self._confirm()
+
     def close(self) -> None:
         """Detaches (the executor frees the mailbox) and releases local resources. Idempotent;
         waits for a call in flight on another thread."""
@@ -112,6 +123,11 @@ class Transport(abc.ABC):
             self._close()
 
     def _close(self) -> None:
+        if self.tenant_id:
+            try:
+                self._confirm()  # (the calls' results are in before the mailbox goes)
+            except Exception:
+                pass
         if self.tenant_id:
             try:
                 self.control("detach", pb.DetachRequest(), timeout_s=5.0)

@@ -86,6 +86,16 @@ def check_config(model_config, served_json: str) -> None:
             )
 
 
+def _confirming(transport):
+    """A forward hook that confirms the transport's calls (their replies) as the forward ends."""
+
+    @torch.compiler.disable
+    def hook(module, args, output):
+        transport.confirm()
+
+    return hook
+
+
 def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -147,6 +157,8 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
         setattr(parent, attr, shim)
     if fuse:
         fuse_siblings([u for u in catalog.units if u.members], shims)
+    # a call may return before its reply: a failure surfaces by the end of the forward it is in
+    root.register_forward_hook(_confirming(conn.transport))
     del plan, shims
     gc.collect()
     return model

@@ -12,6 +12,8 @@ Mailbox layout (offsets in bytes):
     [DETACHED_OFFSET,     +4)             non-zero once the executor has detached the tenant
     [INPUT_WORD_OFFSET,   +4)             same GPU: the tenant's stream writes a call's input_seq here
                                           once its input is in place; the executor's stream waits on it
+    [OUTPUT_WORD_OFFSET,  +4)             same GPU: the executor's stream writes a call's input_seq here
+                                          once its result is in place; the tenant's stream waits on it
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -35,8 +37,10 @@ REPLY_RING_OFFSET = REQUEST_RING_OFFSET + RING_REGION
 REPLY_BELL_OFFSET = REPLY_RING_OFFSET + RING_REGION
 DETACHED_OFFSET = REPLY_BELL_OFFSET + 64
 INPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 128
+OUTPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 192
 WORDS_PAGE = (REPLY_BELL_OFFSET, 4096)  # the page holding the words a GPU reads or writes
 INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
+OUTPUT_WORD_IN_PAGE = OUTPUT_WORD_OFFSET - WORDS_PAGE[0]
 DATA_OFFSET = REPLY_BELL_OFFSET + 4096
 WAKE_BYTES = 4096
 ALIGN = 64
@@ -105,12 +109,13 @@ class Mailbox:
         """Host address of WORDS_PAGE in this process (no buffer export is kept)."""
         return torch.frombuffer(self.mem, dtype=torch.uint8, offset=WORDS_PAGE[0], count=WORDS_PAGE[1]).data_ptr()
 
-    def map_input_word(self, device) -> int:
-        """Maps WORDS_PAGE for `device`'s streams (proto.cuda_ipc); returns the input word's
-        device address. Undo with unmap_words."""
+    def map_words(self, device) -> tuple[int, int]:
+        """Maps WORDS_PAGE for `device`'s streams (proto.cuda_ipc); returns the device addresses of
+        the input word and the output word. Undo with unmap_words."""
         from proto.cuda_ipc import map_host_words
 
-        return map_host_words(device, self.words_address(), WORDS_PAGE[1]) + INPUT_WORD_IN_PAGE
+        page = map_host_words(device, self.words_address(), WORDS_PAGE[1])
+        return page + INPUT_WORD_IN_PAGE, page + OUTPUT_WORD_IN_PAGE
 
     def unmap_words(self, device) -> None:
         from proto.cuda_ipc import unpin_host
@@ -118,11 +123,25 @@ class Mailbox:
         unpin_host(device, self.words_address())
 
     def input_word(self) -> int:
-        return int.from_bytes(self.mem[INPUT_WORD_OFFSET : INPUT_WORD_OFFSET + 4], "little")
+        return self._word(INPUT_WORD_OFFSET)
 
     def set_input_word(self, value: int) -> None:
         """Executor side: releases whatever waits on the word for `value` (a detached tenant's call)."""
-        self.mem[INPUT_WORD_OFFSET : INPUT_WORD_OFFSET + 4] = (value & 0xFFFFFFFF).to_bytes(4, "little")
+        self._set_word(INPUT_WORD_OFFSET, value)
+
+    def output_word(self) -> int:
+        return self._word(OUTPUT_WORD_OFFSET)
+
+    def set_output_word(self, value: int) -> None:
+        """Tenant side: releases its own stream's wait for the result of call `value` (a failed
+        call's, or any once the executor is gone)."""
+        self._set_word(OUTPUT_WORD_OFFSET, value)
+
+    def _word(self, offset: int) -> int:
+        return int.from_bytes(self.mem[offset : offset + 4], "little")
+
+    def _set_word(self, offset: int, value: int) -> None:
+        self.mem[offset : offset + 4] = (value & 0xFFFFFFFF).to_bytes(4, "little")
 
     def mark_detached(self) -> None:
         """Executor side: tells a tenant still waiting here that nobody serves this mailbox any more."""

@@ -62,6 +62,23 @@ def test_same_gpu_tenant_parity(name):
         assert "CUDA IPC" in ex.log()
 
 
+def test_same_gpu_calls_that_wait_for_their_replies():
+    """The same GPU with each call waiting for its reply (return_early off): same results."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        from client import connect
+
+        conn = connect(ex.url)
+        conn.transport.return_early = False
+        ref = build_builtin("tiny-llama").cuda()
+        virt = virtualize(build_builtin("tiny-llama").cuda(), conn)
+        x = ids(2, 13).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        assert not conn.transport._unanswered.busy
+        conn.close()
+
+
 def test_two_placements_at_once():
     """A CPU tenant and a same-GPU tenant of one executor, concurrently, both exact."""
     import threading
@@ -216,6 +233,7 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         t0 = time.monotonic()
         torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU time ahead of the input copy
         y = slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+        slow.transport.confirm()  # (the call returned at once; its reply says the executor took it)
         replied_in = time.monotonic() - t0
         assert not torch.cuda.current_stream().query(), "the sleep should still run"
         side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
@@ -231,6 +249,85 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         expected = connect(ex.url)
         expected.ensure_attached("cuda:0")
         torch.testing.assert_close(y, expected.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE))
+
+
+def _synchronizes_within(seconds: float) -> bool:
+    """Whether torch.cuda.synchronize() returns within `seconds` (it may hang: run on a thread)."""
+    import threading
+
+    th = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+    th.start()
+    th.join(seconds)
+    return not th.is_alive()
+
+
+def test_failed_call_returns_early_and_raises_later():
+    """Same GPU: a call returns before its reply. One that fails (an unknown unit) gets no result,
+    so the tenant releases its GPU's wait for it itself once the earlier call's result is in:
+    confirm() (or the next call) raises the failure, the earlier result is right, no
+    synchronise hangs, and the calls after it work."""
+    import time
+
+    from client.errors import UnknownUnitError
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        conn, x = _gpu_tenant_and_input(ex.url, unit)
+        t = conn.transport
+
+        def call(name=unit):
+            return t.call(name, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+
+        want = call().cpu()
+        t.confirm()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the calls below are sent before their inputs are in
+        y = call()
+        call("no.such.unit")
+        with pytest.raises(UnknownUnitError, match="no.such.unit"):
+            t.confirm()
+        assert _synchronizes_within(20), "our GPU still waits for the failed call's result"
+        torch.testing.assert_close(y.cpu(), want)
+        torch.testing.assert_close(call().cpu(), want)
+        call("no.such.unit")
+        time.sleep(1.0)  # its reply comes meanwhile
+        with pytest.raises(UnknownUnitError, match="no.such.unit"):
+            call()
+        assert _synchronizes_within(20)
+        torch.testing.assert_close(call().cpu(), want)
+        t.confirm()
+        conn.close()
+
+
+def test_executor_killed_while_our_gpu_waits_for_a_result():
+    """Same GPU: the executor is killed while our stream waits for a result it will never write.
+    The tenant's watchdog releases the wait, so a synchronise returns, and the next call raises
+    ExecutorUnavailableError."""
+    from client.errors import ExecutorUnavailableError
+    from proto import executor_pb2 as pb
+    from tests.conftest import Executor
+
+    ex = Executor("tiny-llama", "--device", "cuda:0")
+    try:
+        unit = "model.layers.0.mlp.down_proj"
+        conn, x = _gpu_tenant_and_input(ex.url, unit)
+        t = conn.transport
+
+        def call():
+            return t.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+
+        call()
+        t.confirm()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # ~2 s: the executor is gone before our input is in
+        call()
+        ex.proc.kill()
+        ex.proc.wait()
+        assert _synchronizes_within(30), "our GPU still waits for a dead executor's result"
+        with pytest.raises(ExecutorUnavailableError):
+            call()
+    finally:
+        ex.stop()
 
 
 def test_tenant_killed_while_the_gpu_waits_for_its_input():

@@ -45,6 +45,7 @@ class Areas:
     pinned: int = 0  # address of the page-locked host data area, 0 when not page-locked
     gpu: "object | None" = None  # proto.cuda_ipc.DeviceRegion: the data area of a tenant on our GPU
     words: int = 0  # device address of the mailbox's input word, 0 when our GPU cannot wait on it
+    out_word: int = 0  # device address of the mailbox's output word (set with `words`)
     stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
     awaiting: int = 0  # the input_seq queued on `stream` to wait for (0: none)
     warm: bool = False  # the data loop's GEMMs have run on `stream` once
@@ -135,7 +136,7 @@ class AreaPool:
 
         words = stream = None
         try:
-            words = areas.box.map_input_word(self.device)
+            words, out_word = areas.box.map_words(self.device)
             stream = own_stream(self.device)
             # the driver may map the page but not run stream memory operations on it
             stream_write(stream.cuda_stream, words, 0)
@@ -148,7 +149,7 @@ class AreaPool:
             if words is not None:
                 areas.box.unmap_words(self.device)
             return
-        areas.words, areas.stream = words, stream
+        areas.words, areas.out_word, areas.stream = words, out_word, stream
 
     def _region(self, owner: Owner, nbytes: int):
         from proto.cuda_ipc import DeviceRegion

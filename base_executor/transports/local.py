@@ -1,11 +1,15 @@
 """Same-host transport server (`local://NAME`): ZeroMQ control on a unix socket, tensors in
 executor-owned per-tenant shared-memory mailboxes, signalling through the csrc doorbell rings.
 
-A tenant on the executor's own GPU gets its data area in device memory instead (proto/cuda_ipc.py):
-shared once by CUDA IPC handle, ordered by two interprocess events, so no call synchronises the
-host; the rings and doorbells stay in host shared memory. A call of such a tenant is taken only
-once its input copy has finished (its event is polled), so no tenant can stall the executor's
-stream behind a kernel that never ends. A tenant on another GPU of the host that can reach
+A tenant on the executor's own GPU gets its data area in device memory instead (proto/cuda_ipc.py),
+shared once by CUDA IPC handle; the rings and doorbells stay in host shared memory. Its stream
+writes a call's input_seq to the mailbox's input word once the input is in; ours writes it to
+the output word once the result is in, and the tenant's GPU waits for that, so no host waits
+for the other's GPU work and the tenant's call returns before our reply. Such a call is taken
+when its input word says the copy is done, or at once (a lone tenant) with its GEMM queued on a
+stream of the tenant's own behind a GPU wait for the word: no tenant can stall our main stream
+behind a kernel that never ends. Where the words cannot be mapped, interprocess events order
+the work instead. A tenant on another GPU of the host that can reach
 ours as a peer maps the same device mailbox and copies in and out over the peer link. A host
 mailbox of a GPU executor is page-locked, so its copies are DMA.
 
@@ -31,13 +35,24 @@ from base_executor.scheduler import Call
 from base_executor.transports.areas import AreaPool, Tenant, owner_alive
 from base_executor.transports.local_control import LocalControl
 from proto import codec, mailbox, urls
-from proto.cuda_ipc import reached, stream_wait
+from proto.cuda_ipc import reached, stream_wait, stream_write
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
 log = logging.getLogger("base_executor")
 
 HELD_POLL_S = 5e-6  # how soon a held call's input copy is looked at again
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Delivery:
+    """Where a call's result goes (its Call.tag)."""
+
+    tenant: Tenant
+    area: object  # the tenant's data area when the call was taken (a grow retires it)
+    out_offset: int
+    input_seq: int  # written to the mailbox's output word once the result is in place (0: none)
+    stream: object = None  # the stream that runs the call; None: the data loop's
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,6 +256,11 @@ class LocalServer(LocalControl):
         unit = self.core.table.get(req.unit)
         if unit is None or unit.kind == "embedding":  # its ids are checked on the host
             return False
+        if self.core.scheduler.waiting(t.id):
+            # an earlier call of t is queued: its GEMM must be on the GPU before anything waits for
+            # an input the tenant's GPU makes only after that GEMM's output (else a synchronising
+            # CUDA call of ours, run meanwhile, would wait forever)
+            return False
         if any(self._may_join(o, t) for o in self.tenants.values()):
             return False
         if not areas.warm:
@@ -262,7 +282,7 @@ class LocalServer(LocalControl):
             t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
         stream_wait(stream.cuda_stream, areas.words, req.input_seq)
         areas.awaiting = req.input_seq  # (releasing it releases any before)
-        call.tag = (t, call.tag[1], call.tag[2], stream)
+        call.tag.stream = stream
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
             self._deliver(self.core.run_now(call))
@@ -321,29 +341,39 @@ class LocalServer(LocalControl):
             out_shape=out_shape,
             latency=req.latency,
             arrived=time.monotonic(),
-            tag=(t, area, req.out_offset, None),  # None: the data loop's stream runs it
+            tag=Delivery(t, area, req.out_offset, req.input_seq),
             out=out,
         )
 
     def _deliver(self, results: list[Result]) -> None:
-        replies: dict[int, tuple[object, list]] = {}  # tenant id -> (stream that wrote, replies)
+        replies: dict[int, list] = {}  # tenant id -> [stream that wrote, last input_seq, event?, replies...]
         with self.lock:
             for r in results:
-                t, area, out_offset, stream = r.call.tag
-                if self.tenants.get(t.id) is not t or t.area is not area:
+                d = r.call.tag
+                t = d.tenant
+                if self.tenants.get(t.id) is not t or t.area is not d.area:
                     continue  # detached or regrown mid-call: nobody to tell
                 try:
-                    reply = self._deliver_one(t, r, out_offset)
+                    reply = self._deliver_one(t, r, d.out_offset)
                 except Exception as e:  # one tenant's failed reply never stops the others'
                     log.exception("delivering to tenant %d failed", t.id)
                     self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
                     continue
-                replies.setdefault(t.id, (stream or self._stream, []))[1].append(reply)
-            for tid, (stream, rs) in replies.items():
+                entry = replies.setdefault(t.id, [d.stream or self._stream, 0, False])
+                if d.input_seq and t.areas.out_word:
+                    if not entry[1] or reached(d.input_seq, entry[1]):
+                        entry[1] = d.input_seq
+                else:
+                    entry[2] = True
+                entry.append(reply)
+            for tid, (stream, seq, event, *rs) in replies.items():
                 t = self.tenants.get(tid)
                 if t is None:
                     continue
-                if t.gpu is not None:  # recorded before any reply: the tenant's read waits for our writes
+                # before any reply: the tenant's GPU (or its host, told by the reply) waits for our writes
+                if seq:
+                    stream_write(stream.cuda_stream, t.areas.out_word, seq)
+                if event and t.gpu is not None:
                     t.gpu.output_ready.record(stream)
                 for reply in rs:
                     self._push(t, reply)
@@ -406,7 +436,7 @@ class LocalServer(LocalControl):
         """Data loop only, between batches: drops retired areas' queued calls, releases them."""
 
         def drop_calls(area) -> None:
-            dropped = self.core.scheduler.drop(lambda c: c.tag[1] is area)
+            dropped = self.core.scheduler.drop(lambda c: c.tag.area is area)
             if dropped:
                 log.info("%d queued calls on a released mailbox dropped", dropped)
 

@@ -172,7 +172,10 @@ def _cuda_region(areas: Areas) -> pb.CudaRegion | None:
     if gpu is None:
         return None
     mem, inp, out = gpu.handles()
-    return pb.CudaRegion(mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out, input_word=bool(areas.words))
+    words = bool(areas.words)
+    return pb.CudaRegion(
+        mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out, input_word=words, output_word=words
+    )
 
 
 def _error(code: int, message: str) -> pb.ControlReply:

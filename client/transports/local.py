@@ -2,11 +2,22 @@
 doorbells for signalling, and the executor's mailbox for tensors: host shared memory, or, when
 the tenant sits on the executor's GPU or on a peer GPU of the same host, device memory on the
 executor's GPU opened by CUDA IPC handle (the copy-in — a peer copy from another GPU — the
-executor's GEMM and the read are ordered by interprocess events; no host synchronisation)."""
+executor's GEMM and the read are ordered on the GPUs; no host synchronisation).
+
+On the executor's own GPU the order is kept by two words of the mailbox page that both GPUs
+can read and write: our stream writes a call's input_seq to the input word after the copy-in,
+the executor's stream writes it to the output word after the result. A call then returns as
+soon as it is sent, its result ordered behind a GPU wait for the output word; its reply is
+taken later (client/transports/unanswered.py), at the latest by confirm(), which virtualize()
+runs at the end of every forward and backward pass. A watchdog thread releases our GPU's waits
+when the executor dies or detaches us while the host is blocked elsewhere (say in a sync).
+Elsewhere (peer GPU, host mailbox, an older executor) a call waits for its reply.
+"""
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch
 import zmq
@@ -22,7 +33,8 @@ from client.errors import (
 )
 from client.transport import Transport
 from proto import codec, mailbox, urls
-from proto.cuda_ipc import stream_write
+from client.transports.unanswered import Sent, Unanswered
+from proto.cuda_ipc import stream_wait, stream_write
 from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
@@ -31,6 +43,9 @@ SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 LIVENESS_SLICE_US = 200_000
 CONTROL_SLICE_S = 0.2
+MAX_UNANSWERED = 32  # calls sent before the replies of some are waited for (the rings hold 64)
+RELEASE_POLL_US = 1000  # how often a failed call's release looks at the output word
+WATCH_S = 0.05  # the watchdog's period
 
 
 class LocalTransport(Transport):
@@ -44,11 +59,16 @@ class LocalTransport(Transport):
         self._box: mailbox.Mailbox | None = None
         self._gpu = None  # proto.cuda_ipc.OpenedRegion when the data area is on our GPU
         self._words = 0  # device address of the mailbox's input word, when our GPU writes it
+        self._out_word = 0  # device address of its output word, when the executor's GPU writes it
         self._seq = 0  # the last input_seq written there
+        self._unanswered = Unanswered()  # calls returned before their replies (same GPU)
+        self._gone = ""  # why the watchdog found the executor gone or us detached
+        self._watchdog: threading.Thread | None = None
         self._max_data = 0
+        self.return_early = True  # same GPU: a call returns before its reply (False: it waits for it)
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
-        self._outstanding = 0  # call id of an interrupted call whose reply has not come yet
+        self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
         self._control_lock = threading.Lock()  # the DEALER socket is not thread-safe
 
     def _socket(self):
@@ -110,19 +130,30 @@ class LocalTransport(Transport):
             c = reply.cuda
             self._gpu = OpenedRegion.open(self.area_device, c.size, c.mem_handle, c.input_ready, c.output_ready)
             if c.input_word:
-                self._map_words()
+                self._map_words(c.output_word)
 
-    def _map_words(self) -> None:
+    def _map_words(self, output_word: bool) -> None:
         """Lets our GPU write the mailbox's input word (a call's input_seq, once its copy is done),
-        which the executor's GPU waits on; without it, calls record the input_ready event."""
-        self._seq = 0  # a new mailbox's word starts at 0
+        which the executor's GPU waits on, and wait on its output word; without it, calls record
+        the input_ready event and wait for their replies."""
+        self._seq = 0  # a new mailbox's words start at 0
         try:
-            self._words = self._box.map_input_word(self.area_device)
+            self._words, out_word = self._box.map_words(self.area_device)
         except RuntimeError:
             self._words = 0
+            return
+        if output_word:
+            self._out_word = out_word
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self),), name="symbiont-watchdog", daemon=True)
+                self._watchdog.start()
 
     def _unmap(self) -> None:
         """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
+        if self._unanswered.busy and self._box is not None:  # no result comes (confirm() ran first where it could)
+            self._box.set_output_word(self._seq)  # before the synchronise below, which would wait for them
+            self._unanswered.abandon()
+        self._out_word = 0
         if self._gpu is not None:
             try:
                 self._gpu.close()  # synchronises: no queued write of ours touches the words after
@@ -153,46 +184,71 @@ class LocalTransport(Transport):
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
         if self._box.detached:
             self._detached()
+        if self._gone:
+            self._executor_gone(self._gone)
+        if self._unanswered.busy:
+            self._collect()  # the replies that came; raises an earlier call's failure
         if self._outstanding:  # an interrupted call is still running there: let it finish first
-            self._wait_reply(self._box, self._outstanding)  # before a grow replaces the rings its reply comes on
-            self._outstanding = 0
+            call_id, seq = self._outstanding
+            self._wait_reply(self._box, call_id)  # before a grow replaces the rings its reply comes on
+            self._outstanding = None
             if self._gpu is not None:  # and our next copy-in must not overwrite what its GEMM reads
-                torch.cuda.current_stream(self._gpu.device).wait_event(self._gpu.output_ready)
+                self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
         if need > self._data_bytes:
+            self._collect(keep=0)  # the grown mailbox replaces this one: every call on it answered first
             self._grow(need)
         box, gpu = self._box, self._gpu
         request.in_offset, request.out_offset = 0, in_bytes
         area = gpu or box
         area.view(0, x.shape, x.dtype).copy_(x)
+        early = False  # whether the call returns before its reply
         if gpu is not None:
             stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
             if self._words and x.device == gpu.device:
                 self._seq = self._seq % 0xFFFFFFFF + 1  # never 0, which means "no word"
                 stream_write(stream.cuda_stream, self._words, self._seq)
                 request.input_seq = self._seq
+                early = bool(self._out_word) and self.return_early
             else:
                 gpu.input_ready.record(stream)
+        seq = request.input_seq if self._out_word else 0  # the output word tells when its result is in
         if not box.requests.push(request.SerializeToString()):
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring(wake_always=True)
+        if early:
+            self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
+            stream_wait(stream.cuda_stream, self._out_word, seq)  # our GPU waits for the result
+            y = gpu.view(request.out_offset, out_shape, out_dtype)
+            result = y.clone() if take is None else take(y)  # (queued behind the wait)
+            if len(self._unanswered) >= MAX_UNANSWERED:
+                self._collect(keep=MAX_UNANSWERED // 2)
+            return result
         try:
             reply = self._wait_reply(box, request.call_id)
         except BaseException:
-            self._outstanding = request.call_id  # its late result would land on the next call's bytes
+            self._outstanding = (request.call_id, seq)  # its late result would land on the next call's bytes
             raise
-        self._outstanding = 0
+        self._outstanding = None
         raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
-            stream.wait_event(gpu.output_ready)
+            self._wait_result(stream, seq)
         if y.device != x.device:  # a fresh copy on the caller's device
             y = y.to(x.device) if gpu is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)
         return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
+
+    def _wait_result(self, stream, seq: int) -> None:
+        """Our stream waits for the executor's writes of an answered call: for its output word
+        to reach `seq`, or (0) for output_ready."""
+        if seq:
+            stream_wait(stream.cuda_stream, self._out_word, seq)
+        else:
+            stream.wait_event(self._gpu.output_ready)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
         while True:
@@ -200,15 +256,55 @@ class LocalTransport(Transport):
             raw = box.replies.pop()
             if raw is not None:
                 reply = pb.CallReply.FromString(raw)
-                if reply.call_id in (call_id, 0):
+                if reply.call_id == call_id or (reply.call_id == 0 and not self._unanswered):
                     return reply
-                continue  # a stale reply of an abandoned call
-            if box.detached:
-                self._detached()
-            if box.reply_bell.wait(seq, self._spin, LIVENESS_SLICE_US) == seq and not alive(self._executor_pid):
-                self.tenant_id = 0
-                self._teardown()
-                raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
+                self._unanswered.answer(reply)  # an earlier call's (else a stale reply of an abandoned call)
+                continue
+            self._sleep(box, seq, LIVENESS_SLICE_US)
+
+    def _sleep(self, box: mailbox.Mailbox, seq: int, timeout_us: int) -> None:
+        """Waits for a reply after the bell's `seq`, at most timeout_us; raises when the executor
+        detached us or died."""
+        if box.detached:
+            self._detached()
+        if box.reply_bell.wait(seq, self._spin, timeout_us) == seq and not alive(self._executor_pid):
+            self._executor_gone(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
+
+    def _executor_gone(self, why: str):
+        self.tenant_id = 0
+        self._teardown()
+        raise ExecutorUnavailableError(why)
+
+    def _take_replies(self, box: mailbox.Mailbox) -> int:
+        """Takes every reply there is for calls that returned early; returns how many came."""
+        n = 0
+        while (raw := box.replies.pop()) is not None:
+            self._unanswered.answer(pb.CallReply.FromString(raw))
+            n += 1
+        self._unanswered.release(box)
+        return n
+
+    def _collect(self, keep: int | None = None) -> None:
+        """Takes the replies of calls that returned early. keep=None: those that came; else waits
+        until at most `keep` are unanswered. Raises the first failure among them once our GPU's
+        wait for each failed call is released (client/transports/unanswered.py)."""
+        box, u = self._box, self._unanswered
+        while True:
+            seq = box.reply_bell.seq()
+            got = self._take_replies(box)
+            failure = u.take_failure()
+            if failure is not None:
+                raise failure
+            if not u.failed and (keep is None or len(u) <= keep):
+                return
+            if not got:  # a failed call waits for its predecessor's result, not for a reply
+                self._sleep(box, seq, RELEASE_POLL_US if u.failed else LIVENESS_SLICE_US)
+
+    def _confirm(self) -> None:
+        if self._gone and self._box is not None:
+            self._executor_gone(self._gone)
+        if self._box is not None and self._unanswered.busy:
+            self._collect(keep=0)
 
     def _detached(self):
         self.tenant_id = 0
@@ -234,3 +330,28 @@ class LocalTransport(Transport):
 
 def _op_name(op: int) -> str:
     return pb.Op.Name(op) if op in pb.Op.values() else f"op {op}"
+
+
+def _watch(ref) -> None:
+    """Watchdog of one transport: while calls are unanswered and the caller is not in one (its host
+    may be blocked in a CUDA synchronise behind our GPU's waits), takes their replies, releases
+    failed calls, and releases every wait once the executor is gone or has detached us."""
+    while True:
+        time.sleep(WATCH_S)
+        t = ref()
+        if t is None or t._box is None:
+            return
+        if t._unanswered.busy and t._lock.acquire(blocking=False):
+            try:
+                box = t._box
+                if box is not None and t._unanswered.busy:
+                    try:
+                        t._take_replies(box)
+                    except Exception:  # (a corrupt ring: the caller's next call meets it)
+                        pass
+                    if box.detached or not alive(t._executor_pid):
+                        box.set_output_word(t._seq)  # no result comes any more
+                        t._gone = f"the executor at {t.url} (pid {t._executor_pid}) is gone, or detached this tenant"
+            finally:
+                t._lock.release()
+        del t

@@ -1,0 +1,112 @@
+"""Calls that returned before the executor answered them, until their replies come.
+
+A same-GPU call returns as soon as it is sent: the tenant's stream waits on the GPU for the
+mailbox's output word, which the executor's stream writes once the result is in place, so
+neither host waits for the other. The replies (statuses) come later and are taken here.
+
+A call that failed got no result, so nothing would release the tenant GPU's wait for it. The
+tenant writes the output word itself, in call order and only once the previous call's result is
+in (the word has reached it): an earlier call's read is never let through before its result.
+Its failure is raised once that is done, at the next call or at the next confirm().
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+import torch
+
+from client.errors import InternalError, error_for_status
+from proto import codec
+from proto import executor_pb2 as pb
+from proto.cuda_ipc import reached
+
+
+@dataclasses.dataclass(slots=True)
+class Sent:
+    call_id: int
+    seq: int  # the call's input_seq: the output word reaches it with the result
+    unit: str
+    op: int
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+
+    @property
+    def what(self) -> str:
+        """What the call was, for its errors: "FORWARD of 'model.layers.0.self_attn.q_proj'"."""
+        op = pb.Op.Name(self.op) if self.op in pb.Op.values() else f"op {self.op}"
+        return f"{op} of {self.unit!r}"
+
+
+def previous_seq(seq: int) -> int:
+    """The input_seq of the call before `seq` (they count 1 .. 2**32 - 1, then wrap to 1)."""
+    return (seq - 2) % 0xFFFFFFFF + 1
+
+
+class Unanswered:
+    def __init__(self):
+        self.sent: collections.deque[Sent] = collections.deque()  # in call order
+        self.failed: list[Sent] = []  # answered with a failure, output word not written yet; call order
+        self.failure: tuple[int, Exception] | None = None  # (call id, error) of the earliest failure not raised yet
+
+    def __len__(self) -> int:
+        return len(self.sent)
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is left to take or to release."""
+        return bool(self.sent or self.failed or self.failure)
+
+    def add(self, sent: Sent) -> None:
+        self.sent.append(sent)
+
+    def answer(self, reply: pb.CallReply) -> bool:
+        """Takes a reply; False when it answers none of these calls."""
+        if self.sent and self.sent[0].call_id == reply.call_id:  # replies mostly come in call order
+            sent = self.sent[0]
+        else:
+            sent = next((s for s in self.sent if s.call_id == reply.call_id), None)
+        if sent is None and reply.call_id == 0 and self.sent:  # a request that did not parse: the oldest
+            sent = self.sent[0]
+        if sent is None:
+            return False
+        if sent is self.sent[0]:
+            self.sent.popleft()
+        else:
+            self.sent.remove(sent)
+        failure = error_for_status(reply.status, sent.what)
+        if failure is None and (tuple(reply.shape) != sent.out_shape or codec.TORCH_OF.get(reply.dtype) is not sent.out_dtype):
+            failure = InternalError(
+                f"{sent.what}: executor returned {list(reply.shape)} {reply.dtype}, expected {list(sent.out_shape)} {sent.out_dtype}"
+            )
+        if failure is not None:
+            bisect.insort(self.failed, sent, key=lambda s: s.call_id)
+            if self.failure is None or sent.call_id < self.failure[0]:
+                self.failure = (sent.call_id, failure)
+        return True
+
+    def release(self, box) -> None:
+        """Writes the output word for each failed call whose previous call's result is in
+        (`box`: the mailbox, proto.mailbox.Mailbox)."""
+        while self.failed:
+            seq = self.failed[0].seq
+            word = box.output_word()
+            if not reached(word, previous_seq(seq)):
+                return
+            if not reached(word, seq):
+                box.set_output_word(seq)
+            self.failed.pop(0)
+
+    def take_failure(self) -> Exception | None:
+        """The earliest call's failure, once every failed call is released (then forgotten)."""
+        if self.failed or self.failure is None:
+            return None
+        (_, failure), self.failure = self.failure, None
+        return failure
+
+    def abandon(self) -> None:
+        """Forgets everything (the executor is gone or the mailbox goes)."""
+        self.sent.clear()
+        self.failed.clear()
+        self.failure = None

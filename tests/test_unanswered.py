@@ -1,0 +1,77 @@
+"""The bookkeeping of calls that return before their replies (client/transports/unanswered.py),
+on a real mailbox: a failed call's output word is written in call order, only once the previous
+call's result is in, and its failure is raised only then."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from client.errors import InternalError, UnknownUnitError
+from client.transports.unanswered import Sent, Unanswered, previous_seq
+from proto import codec, mailbox
+from proto import executor_pb2 as pb
+
+
+@pytest.fixture
+def box():
+    fd, mem = mailbox.create_region("symbiont-test-unanswered", mailbox.Mailbox.total_bytes(0))
+    b = mailbox.Mailbox(mem, 0)
+    yield b
+    b.close()
+    os.close(fd)
+
+
+def _sent(call_id: int) -> Sent:
+    return Sent(call_id, call_id, f"u{call_id}", pb.FORWARD, (3, 4), torch.float32)
+
+
+def _ok(call_id: int, shape=(3, 4)) -> pb.CallReply:
+    return pb.CallReply(call_id=call_id, status=pb.Status(code=pb.OK), dtype=codec.dtype_enum(torch.float32), shape=list(shape))
+
+
+def _failed(call_id: int) -> pb.CallReply:
+    return pb.CallReply(call_id=call_id, status=pb.Status(code=pb.UNKNOWN_UNIT, message="no such unit"))
+
+
+def test_previous_seq_wraps_past_zero():
+    assert previous_seq(2) == 1
+    assert previous_seq(1) == 0xFFFFFFFF
+
+
+def test_failed_calls_are_released_in_call_order_after_the_results_before_them(box):
+    u = Unanswered()
+    for i in (1, 2, 3, 4):
+        u.add(_sent(i))
+    assert u.answer(_failed(3)) and u.answer(_failed(2))  # replies may come out of call order
+    u.release(box)
+    assert box.output_word() == 0, "call 1's result is not in: nothing may be released yet"
+    assert u.take_failure() is None
+    assert u.answer(_ok(1))
+    box.set_output_word(1)  # what the executor's stream writes once call 1's result is in
+    u.release(box)
+    assert box.output_word() == 3 and not u.failed  # 2 then 3, each right after its predecessor
+    failure = u.take_failure()
+    assert isinstance(failure, UnknownUnitError) and "FORWARD of 'u2'" in str(failure)  # the earliest call's
+    assert u.take_failure() is None
+    assert len(u) == 1 and u.busy  # call 4 still unanswered
+    assert u.answer(_ok(4)) and not u.busy
+
+
+def test_a_released_word_never_goes_back(box):
+    u = Unanswered()
+    u.add(_sent(1))
+    box.set_output_word(5)  # later calls' results already in
+    u.answer(_failed(1))
+    u.release(box)
+    assert box.output_word() == 5
+
+
+def test_wrong_result_shape_is_an_internal_error_and_stale_replies_are_ignored(box):
+    u = Unanswered()
+    u.add(_sent(1))
+    assert not u.answer(_ok(7))  # not one of these calls (an abandoned call's late reply)
+    assert u.answer(_ok(1, shape=(3, 5)))
+    u.release(box)
+    assert isinstance(u.take_failure(), InternalError)
