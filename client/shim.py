@@ -83,6 +83,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     # grad_x = grad_y W: the executor keeps no activations, W is frozen
+    confirm_when_backward_ends(ctx.shim)
     return unit_call(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
 
 
@@ -100,6 +101,7 @@ class _UnitCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        confirm_when_backward_ends(ctx.shim)
         return call_unit(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
 
 
@@ -165,8 +167,6 @@ class UnitRef:
 
     def _remote(self, x: torch.Tensor, op: int, take=None):
         latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
-        if op == pb.BACKWARD:
-            confirm_when_backward_ends(self._shim_id)
         return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency, take)
 
 

@@ -75,16 +75,3 @@ def test_wrong_result_shape_is_an_internal_error_and_stale_replies_are_ignored(b
     assert u.answer(_ok(1, shape=(3, 5)))
     u.release(box)
     assert isinstance(u.take_failure(), InternalError)
-
-
-def test_a_call_failed_elsewhere_is_released_in_order_without_a_failure_of_its_own(box):
-    u = Unanswered()
-    u.add(_sent(1))
-    u.add_failed(_sent(2))  # its caller raises its error itself
-    u.release(box)
-    assert box.output_word() == 0  # call 1's result is not in yet
-    u.answer(_ok(1))
-    box.set_output_word(1)
-    u.release(box)
-    assert box.output_word() == 2 and not u.busy
-    assert u.take_failure() is None

@@ -111,8 +111,6 @@ class LocalTransport(Transport):
         ):
             raise InternalError("the executor uses another mailbox layout: install the same symbiont version on both sides")
         self._executor_pid = reply.wake.owner_pid
-        self._gone, self._outstanding = "", None  # (of an earlier attach)
-        self._unanswered.abandon()
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
         self._map(reply)
@@ -188,18 +186,14 @@ class LocalTransport(Transport):
             self._detached()
         if self._gone:
             self._executor_gone(self._gone)
-        if self._outstanding:  # an interrupted call is still running there: let it finish first
-            call_id, seq = self._outstanding
-            reply = self._wait_reply(self._box, call_id)  # before a grow replaces the rings its reply comes on
-            self._outstanding = None
-            if reply.status.code != pb.OK:
-                self._release_failed(call_id, seq)
-            elif self._gpu is not None:  # and our next copy-in must not overwrite what its GEMM reads
-                self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
         if self._unanswered.busy:
             self._collect()  # the replies that came; raises an earlier call's failure
-            if self._gpu is not None and x.device != self._gpu.device:
-                self._collect(keep=0)  # a copy from elsewhere may synchronise our stream: nothing may block it
+        if self._outstanding:  # an interrupted call is still running there: let it finish first
+            call_id, seq = self._outstanding
+            self._wait_reply(self._box, call_id)  # before a grow replaces the rings its reply comes on
+            self._outstanding = None
+            if self._gpu is not None:  # and our next copy-in must not overwrite what its GEMM reads
+                self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
         if need > self._data_bytes:
@@ -221,7 +215,6 @@ class LocalTransport(Transport):
                 gpu.input_ready.record(stream)
         seq = request.input_seq if self._out_word else 0  # the output word tells when its result is in
         if not box.requests.push(request.SerializeToString()):
-            self._release_failed(request.call_id, seq)
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring(wake_always=True)
         if early:
@@ -238,8 +231,6 @@ class LocalTransport(Transport):
             self._outstanding = (request.call_id, seq)  # its late result would land on the next call's bytes
             raise
         self._outstanding = None
-        if reply.status.code != pb.OK:
-            self._release_failed(request.call_id, seq)
         raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
         if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
             raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
@@ -250,13 +241,6 @@ class LocalTransport(Transport):
             y = y.to(x.device) if gpu is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)
         return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
-
-    def _release_failed(self, call_id: int, seq: int) -> None:
-        """A call that waited for its reply failed (or was never sent): writes its output word
-        (in call order, client/transports/unanswered.py), which nobody else will."""
-        if seq:
-            self._unanswered.add_failed(Sent(call_id, seq, "", pb.FORWARD, (), torch.float32))
-            self._collect(keep=len(self._unanswered))
 
     def _wait_result(self, stream, seq: int) -> None:
         """Our stream waits for the executor's writes of an answered call: for its output word
@@ -276,8 +260,7 @@ class LocalTransport(Transport):
                     return reply
                 self._unanswered.answer(reply)  # an earlier call's (else a stale reply of an abandoned call)
                 continue
-            self._unanswered.release(box)  # (a failed earlier call's wait may hold up this call's input)
-            self._sleep(box, seq, RELEASE_POLL_US if self._unanswered.failed else LIVENESS_SLICE_US)
+            self._sleep(box, seq, LIVENESS_SLICE_US)
 
     def _sleep(self, box: mailbox.Mailbox, seq: int, timeout_us: int) -> None:
         """Waits for a reply after the bell's `seq`, at most timeout_us; raises when the executor
@@ -356,12 +339,12 @@ def _watch(ref) -> None:
     while True:
         time.sleep(WATCH_S)
         t = ref()
-        if t is None or (t.tenant_id == 0 and t._box is None):
+        if t is None or t._box is None:
             return
         if t._unanswered.busy and t._lock.acquire(blocking=False):
             try:
                 box = t._box
-                if box is not None and t._unanswered.busy and t._outstanding is None:  # (its reply is the caller's)
+                if box is not None and t._unanswered.busy:
                     try:
                         t._take_replies(box)
                     except Exception:  # (a corrupt ring: the caller's next call meets it)

@@ -86,10 +86,6 @@ class Unanswered:
                 self.failure = (sent.call_id, failure)
         return True
 
-    def add_failed(self, sent: Sent) -> None:
-        """A call whose failure its caller raises itself: only its output word is left to write."""
-        bisect.insort(self.failed, sent, key=lambda s: s.call_id)
-
     def release(self, box) -> None:
         """Writes the output word for each failed call whose previous call's result is in
         (`box`: the mailbox, proto.mailbox.Mailbox)."""
