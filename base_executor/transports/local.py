@@ -55,6 +55,16 @@ class Delivery:
     stream: object = None  # the stream that runs the call; None: the data loop's
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Told:
+    """One tenant's replies of a delivery, and how its GPU learns that their results are in."""
+
+    stream: object  # the stream that wrote the results
+    seq: int = 0  # the latest input_seq among the calls: written to the output word
+    event: bool = False  # some call had no input_seq: output_ready is recorded
+    replies: list = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalServerConfig:
     name: str
@@ -346,7 +356,7 @@ class LocalServer(LocalControl):
         )
 
     def _deliver(self, results: list[Result]) -> None:
-        replies: dict[int, list] = {}  # tenant id -> [stream that wrote, last input_seq, event?, replies...]
+        told: dict[int, _Told] = {}  # by tenant id
         with self.lock:
             for r in results:
                 d = r.call.tag
@@ -359,23 +369,23 @@ class LocalServer(LocalControl):
                     log.exception("delivering to tenant %d failed", t.id)
                     self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
                     continue
-                entry = replies.setdefault(t.id, [d.stream or self._stream, 0, False])
+                out = told.setdefault(t.id, _Told(d.stream or self._stream))
                 if d.input_seq and t.areas.out_word:
-                    if not entry[1] or reached(d.input_seq, entry[1]):
-                        entry[1] = d.input_seq
+                    if not out.seq or reached(d.input_seq, out.seq):
+                        out.seq = d.input_seq
                 else:
-                    entry[2] = True
-                entry.append(reply)
-            for tid, (stream, seq, event, *rs) in replies.items():
+                    out.event = True
+                out.replies.append(reply)
+            for tid, out in told.items():
                 t = self.tenants.get(tid)
                 if t is None:
                     continue
                 # before any reply: the tenant's GPU (or its host, told by the reply) waits for our writes
-                if seq:
-                    stream_write(stream.cuda_stream, t.areas.out_word, seq)
-                if event and t.gpu is not None:
-                    t.gpu.output_ready.record(stream)
-                for reply in rs:
+                if out.seq:
+                    stream_write(out.stream.cuda_stream, t.areas.out_word, out.seq)
+                if out.event and t.gpu is not None:
+                    t.gpu.output_ready.record(out.stream)
+                for reply in out.replies:
                     self._push(t, reply)
                 t.box.reply_bell.ring()
 

@@ -29,11 +29,10 @@ from client.errors import (
     MalformedMessageError,
     NotAttachedError,
     ResourceExhaustedError,
-    raise_for_status,
 )
 from client.transport import Transport
 from proto import codec, mailbox, urls
-from client.transports.unanswered import Sent, Unanswered
+from client.transports.unanswered import Sent, Unanswered, call_name, reply_error
 from proto.cuda_ipc import stream_wait, stream_write
 from proto.procs import alive
 from proto import executor_pb2 as pb
@@ -231,9 +230,9 @@ class LocalTransport(Transport):
             self._outstanding = (request.call_id, seq)  # its late result would land on the next call's bytes
             raise
         self._outstanding = None
-        raise_for_status(reply.status, f"{_op_name(request.op)} of {request.unit!r}")
-        if tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype:
-            raise InternalError(f"executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}")
+        failure = reply_error(reply, call_name(request.unit, request.op), out_shape, out_dtype)
+        if failure is not None:
+            raise failure
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
             self._wait_result(stream, seq)
@@ -326,10 +325,6 @@ class LocalTransport(Transport):
         if self._sock is not None and self.tenant_id == 0:
             self._sock.close()
             self._sock = None
-
-
-def _op_name(op: int) -> str:
-    return pb.Op.Name(op) if op in pb.Op.values() else f"op {op}"
 
 
 def _watch(ref) -> None:

@@ -34,9 +34,23 @@ class Sent:
 
     @property
     def what(self) -> str:
-        """What the call was, for its errors: "FORWARD of 'model.layers.0.self_attn.q_proj'"."""
-        op = pb.Op.Name(self.op) if self.op in pb.Op.values() else f"op {self.op}"
-        return f"{op} of {self.unit!r}"
+        return call_name(self.unit, self.op)
+
+
+def call_name(unit: str, op: int) -> str:
+    """What a call was, for its errors: "FORWARD of 'model.layers.0.self_attn.q_proj'"."""
+    name = pb.Op.Name(op) if op in pb.Op.values() else f"op {op}"
+    return f"{name} of {unit!r}"
+
+
+def reply_error(reply: pb.CallReply, what: str, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> Exception | None:
+    """The error a call's reply says (its status, or a result other than the one asked for); None if OK."""
+    failure = error_for_status(reply.status, what)
+    if failure is None and (tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype):
+        failure = InternalError(
+            f"{what}: executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}"
+        )
+    return failure
 
 
 def previous_seq(seq: int) -> int:
@@ -75,11 +89,7 @@ class Unanswered:
             self.sent.popleft()
         else:
             self.sent.remove(sent)
-        failure = error_for_status(reply.status, sent.what)
-        if failure is None and (tuple(reply.shape) != sent.out_shape or codec.TORCH_OF.get(reply.dtype) is not sent.out_dtype):
-            failure = InternalError(
-                f"{sent.what}: executor returned {list(reply.shape)} {reply.dtype}, expected {list(sent.out_shape)} {sent.out_dtype}"
-            )
+        failure = reply_error(reply, sent.what, sent.out_shape, sent.out_dtype)
         if failure is not None:
             bisect.insort(self.failed, sent, key=lambda s: s.call_id)
             if self.failure is None or sent.call_id < self.failure[0]:
