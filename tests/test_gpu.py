@@ -8,6 +8,7 @@ import torch
 from base_executor.models import build_builtin
 from client import virtualize
 from tests.conftest import running_executor
+from tests.jobs import gpu_tenant_and_input
 from tests.models import ARCHS, assert_grads_close, ids, lora_grads, lora_model
 
 pytestmark = pytest.mark.gpu
@@ -137,11 +138,7 @@ def _killed_mid_call(device: str) -> None:
             after = observer.stats()
         assert after.tenants == 0 and after.mailbox_bytes == 0
         assert "is gone" in ex.log()
-        ref = build_builtin("tiny-llama").to(device)
-        virt = virtualize(build_builtin("tiny-llama").to(device), ex.url)  # the executor keeps serving
-        x = ids(2, 9).to(device)
-        with torch.no_grad():
-            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        _serves_exactly(ex.url, device)  # the executor keeps serving
 
 
 def test_cpu_tenant_of_gpu_executor_gets_page_locked_mailbox():
@@ -154,14 +151,13 @@ def test_cpu_tenant_of_gpu_executor_gets_page_locked_mailbox():
         assert "page-locked" in ex.log()
 
 
-def _gpu_tenant_and_input(url: str, unit: str):
-    """A connection attached on cuda:0 and a 3-token input for `unit` there."""
-    from client import connect
-
-    conn = connect(url)
-    conn.ensure_attached("cuda:0")
-    d_in = next(u.in_features for u in conn.catalog().units if u.id == unit)
-    return conn, torch.randn(3, d_in, device="cuda:0")
+def _serves_exactly(url: str, device: str = "cuda") -> None:
+    """A new tenant on `device` gets the unsplit model's logits from the executor at `url`."""
+    ref = build_builtin("tiny-llama").to(device)
+    virt = virtualize(build_builtin("tiny-llama").to(device), url)
+    x = ids(2, 9).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_stalled_input_copy_does_not_stall_other_tenants():
@@ -176,7 +172,7 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
-        slow, x = _gpu_tenant_and_input(ex.url, unit)
+        slow, x = gpu_tenant_and_input(ex.url, unit)
         expected = connect(ex.url)
         expected.ensure_attached("cuda:0")
         want = expected.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
@@ -220,7 +216,7 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
-        slow, x = _gpu_tenant_and_input(ex.url, unit)
+        slow, x = gpu_tenant_and_input(ex.url, unit)
         # once: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy loading)
         # synchronises the executor's GPU work, and so waits for a waiting stream (README)
         slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
@@ -274,7 +270,7 @@ def test_failed_call_returns_early_and_raises_later():
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
-        conn, x = _gpu_tenant_and_input(ex.url, unit)
+        conn, x = gpu_tenant_and_input(ex.url, unit)
         t = conn.transport
 
         def call(name=unit):
@@ -324,11 +320,7 @@ def test_executor_killed_while_our_gpu_waits_for_a_result():
         ex.stop()
     assert out.split() == ["synchronized", "ExecutorUnavailableError"], out
     with running_executor("tiny-llama", "--device", "cuda:0") as again:
-        ref = build_builtin("tiny-llama").cuda()
-        virt = virtualize(build_builtin("tiny-llama").cuda(), again.url)
-        x = ids(2, 9).cuda()
-        with torch.no_grad():
-            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        _serves_exactly(again.url)
 
 
 def test_tenant_killed_while_the_gpu_waits_for_its_input():
@@ -354,11 +346,7 @@ def test_tenant_killed_while_the_gpu_waits_for_its_input():
                 time.sleep(0.1)
             after = observer.stats()
         assert after.tenants == 0 and after.mailbox_bytes == 0
-        ref = build_builtin("tiny-llama").cuda()
-        virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
-        x = ids(2, 9).cuda()
-        with torch.no_grad():
-            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        _serves_exactly(ex.url)
 
 
 def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():

@@ -9,14 +9,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from client import connect  # noqa: E402
 from proto import executor_pb2 as pb  # noqa: E402
+from tests.jobs import gpu_tenant_and_input  # noqa: E402
 
 UNIT = "model.layers.0.mlp.down_proj"
-conn = connect(sys.argv[1])
-conn.ensure_attached("cuda:0")
-d_in = next(u.in_features for u in conn.catalog().units if u.id == UNIT)
-x = torch.randn(3, d_in, device="cuda:0")
+conn, x = gpu_tenant_and_input(sys.argv[1], UNIT)
 torch.cuda._sleep(20_000_000_000)
 conn.transport.call(UNIT, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
 print("called", flush=True)
