@@ -83,7 +83,6 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     # grad_x = grad_y W: the executor keeps no activations, W is frozen
-    confirm_when_backward_ends(ctx.shim)
     return unit_call(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
 
 
@@ -101,18 +100,16 @@ class _UnitCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        confirm_when_backward_ends(ctx.shim)
         return call_unit(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
 
 
 _CONFIRMING: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()  # transport -> graph task
 
 
-def confirm_when_backward_ends(shim: int) -> None:
-    """Has the shim's transport confirm its calls once the running backward pass ends: a call may
-    return before its reply, and a failure must surface in the pass it belongs to."""
+def confirm_when_backward_ends(transport) -> None:
+    """Has the transport confirm its calls once the running backward pass ends: a call may return
+    before its reply, and a failure must surface in the pass it belongs to."""
     task = torch._C._current_graph_task_id()
-    transport = _SHIMS[shim].transport
     if task >= 0 and _CONFIRMING.get(transport) != task:
         _CONFIRMING[transport] = task
         torch.autograd.Variable._execution_engine.queue_callback(transport.confirm)
@@ -167,6 +164,8 @@ class UnitRef:
 
     def _remote(self, x: torch.Tensor, op: int, take=None):
         latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
+        if op == pb.BACKWARD:  # (a fused group's too)
+            confirm_when_backward_ends(self.transport)
         return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency, take)
 
 

@@ -75,3 +75,57 @@ def test_wrong_result_shape_is_an_internal_error_and_stale_replies_are_ignored(b
     assert u.answer(_ok(1, shape=(3, 5)))
     u.release(box)
     assert isinstance(u.take_failure(), InternalError)
+
+
+def test_a_failed_call_that_waited_for_its_reply_keeps_the_order_of_releases(box):
+    """A call that waited for its reply and failed raised its own error; its output word is still
+    written in call order, so a later failed call's release is not held up for good."""
+    u = Unanswered()
+    u.add(_sent(1))
+    u.add_failed(_sent(2))  # failed, its caller raised
+    u.add(_sent(3))
+    assert u.answer(_failed(3))
+    u.release(box)
+    assert box.output_word() == 0
+    assert u.answer(_ok(1))
+    box.set_output_word(1)
+    u.release(box)
+    assert box.output_word() == 3 and not u.failed
+    failure = u.take_failure()
+    assert isinstance(failure, UnknownUnitError) and "'u3'" in str(failure)  # call 2's error was its caller's
+
+
+def test_a_call_run_with_the_wrong_result_is_not_released_by_the_tenant(box):
+    """The executor wrote that call's output word itself (it ran): the tenant must not write it,
+    or a late write of the executor's could move the word back."""
+    u = Unanswered()
+    u.add(_sent(1))
+    assert u.answer(_ok(1, shape=(9, 9)))
+    assert not u.failed
+    u.release(box)
+    assert box.output_word() == 0
+    assert isinstance(u.take_failure(), InternalError)
+
+
+def test_collect_takes_the_replies_from_the_ring_and_raises_the_earliest_failure(box):
+    u = Unanswered()
+    for i in (1, 2, 3):
+        u.add(_sent(i))
+    pending = [_failed(2), _ok(1), _ok(3)]
+    sleeps = []
+
+    def sleep(b, seq, timeout_us):  # what the executor does meanwhile: a reply, a result
+        sleeps.append(timeout_us)
+        reply = pending.pop(0)
+        assert b.replies.push(reply.SerializeToString())
+        if reply.status.code == pb.OK:
+            b.set_output_word(max(b.output_word(), reply.call_id))
+
+    u.collect(box, sleep)  # keep=None: takes what came (nothing), never sleeps
+    assert sleeps == [] and len(u) == 3
+    with pytest.raises(UnknownUnitError, match="'u2'"):
+        u.collect(box, sleep, keep=0)
+    assert box.output_word() == 2  # released once call 1's result was in
+    assert len(u) == 1 and sleeps[1] < sleeps[0]  # call 3 unanswered; a release polls sooner
+    u.collect(box, sleep, keep=0)
+    assert not u.busy and box.output_word() == 3

@@ -371,7 +371,8 @@ class LocalServer(LocalControl):
                     continue
                 out = told.setdefault(t.id, _Told(d.stream or self._stream))
                 if d.input_seq and t.areas.out_word:
-                    if not out.seq or reached(d.input_seq, out.seq):
+                    # a failed call's word is the tenant's to write (client/transports/unanswered.py)
+                    if r.error is None and (not out.seq or reached(d.input_seq, out.seq)):
                         out.seq = d.input_seq
                 else:
                     out.event = True

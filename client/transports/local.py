@@ -20,19 +20,16 @@ import time
 import weakref
 
 import torch
-import zmq
-from google.protobuf.message import DecodeError
-
 from client.errors import (
     ExecutorUnavailableError,
     InternalError,
-    MalformedMessageError,
     NotAttachedError,
     ResourceExhaustedError,
 )
 from client.transport import Transport
+from client.transports.control import ControlChannel
 from proto import codec, mailbox, urls
-from client.transports.unanswered import Sent, Unanswered, call_name, reply_error
+from client.transports.unanswered import LIVENESS_SLICE_US, RELEASE_POLL_US, Sent, Unanswered, call_name, reply_error
 from proto.cuda_ipc import stream_wait, stream_write
 from proto.procs import alive
 from proto import executor_pb2 as pb
@@ -40,19 +37,14 @@ from proto._doorbell import Doorbell
 
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
-LIVENESS_SLICE_US = 200_000
-CONTROL_SLICE_S = 0.2
 MAX_UNANSWERED = 32  # calls sent before the replies of some are waited for (the rings hold 64)
-RELEASE_POLL_US = 1000  # how often a failed call's release looks at the output word
 WATCH_S = 0.05  # the watchdog's period
 
 
 class LocalTransport(Transport):
     def __init__(self, url: str, name: str):
         super().__init__(url)
-        self.endpoint = urls.control_endpoint(name)
-        self._ctx = zmq.Context.instance()
-        self._sock = None
+        self._channel = ControlChannel(url, urls.control_endpoint(name))
         self._executor_pid = 0
         self._wake_mem = self._wake = None
         self._box: mailbox.Mailbox | None = None
@@ -68,48 +60,20 @@ class LocalTransport(Transport):
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
-        self._control_lock = threading.Lock()  # the DEALER socket is not thread-safe
-
-    def _socket(self):
-        if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
-        return self._sock
+        self._stream = None  # the CUDA stream of the last same-GPU call
+        self._switched = None  # an event that orders a call on another stream after the last
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
-        with self._control_lock:
-            return self._control_locked(request, timeout_s)
-
-    def _control_locked(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
-        sock = self._socket()
-        sock.send(request.SerializeToString())
-        deadline = time.monotonic() + timeout_s
-        answered = False
-        while not answered and time.monotonic() < deadline:
-            answered = bool(sock.poll(int(min(CONTROL_SLICE_S, max(deadline - time.monotonic(), 0)) * 1000)))
-            if not answered and self._executor_pid and not alive(self._executor_pid):
-                break
-        if not answered:
-            # a DEALER would deliver the late reply to the next request: start over with a new socket
-            sock.close()
-            self._sock = None
-            if self._executor_pid and not alive(self._executor_pid):
-                raise ExecutorUnavailableError(f"the executor at {self.url} (pid {self._executor_pid}) is gone")
-            raise ExecutorUnavailableError(
-                f"no executor answered at {self.url} within {timeout_s:.0f} s (is `base-executor serve --listen {self.url}` running?)"
-            )
-        try:
-            return pb.ControlReply.FromString(sock.recv())
-        except DecodeError as e:
-            raise MalformedMessageError(f"reply from {self.url} does not parse: {e}") from e
+        return self._channel.request(request, timeout_s)
 
     def _attached(self, reply: pb.AttachReply) -> None:
         if (reply.ring_slots, reply.ring_slot_size, reply.data_offset) != (
             mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, mailbox.DATA_OFFSET
         ):
             raise InternalError("the executor uses another mailbox layout: install the same symbiont version on both sides")
-        self._executor_pid = reply.wake.owner_pid
+        self._executor_pid = self._channel.executor_pid = reply.wake.owner_pid
+        self._gone, self._outstanding = "", None  # (of an earlier attach)
+        self._unanswered.abandon()
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
         self._map(reply)
@@ -153,6 +117,7 @@ class LocalTransport(Transport):
             self._box.set_output_word(self._seq)  # before the synchronise below, which would wait for them
             self._unanswered.abandon()
         self._out_word = 0
+        self._stream = None
         if self._gpu is not None:
             try:
                 self._gpu.close()  # synchronises: no queued write of ours touches the words after
@@ -185,14 +150,11 @@ class LocalTransport(Transport):
             self._detached()
         if self._gone:
             self._executor_gone(self._gone)
-        if self._unanswered.busy:
-            self._collect()  # the replies that came; raises an earlier call's failure
-        if self._outstanding:  # an interrupted call is still running there: let it finish first
-            call_id, seq = self._outstanding
-            self._wait_reply(self._box, call_id)  # before a grow replaces the rings its reply comes on
-            self._outstanding = None
-            if self._gpu is not None:  # and our next copy-in must not overwrite what its GEMM reads
-                self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
+        if self._outstanding:  # an interrupted call is still running there: it is finished first
+            self._finish_outstanding()
+        if self._unanswered.busy:  # the replies that came; raises an earlier call's failure
+            elsewhere = self._gpu is not None and x.device != self._gpu.device
+            self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
         in_bytes = mailbox.align(x.numel() * x.element_size())
         need = in_bytes + codec.nbytes(out_shape, out_dtype)
         if need > self._data_bytes:
@@ -201,10 +163,12 @@ class LocalTransport(Transport):
         box, gpu = self._box, self._gpu
         request.in_offset, request.out_offset = 0, in_bytes
         area = gpu or box
+        if gpu is not None:
+            stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
+            self._follow(stream)
         area.view(0, x.shape, x.dtype).copy_(x)
         early = False  # whether the call returns before its reply
         if gpu is not None:
-            stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
             if self._words and x.device == gpu.device:
                 self._seq = self._seq % 0xFFFFFFFF + 1  # never 0, which means "no word"
                 stream_write(stream.cuda_stream, self._words, self._seq)
@@ -214,6 +178,7 @@ class LocalTransport(Transport):
                 gpu.input_ready.record(stream)
         seq = request.input_seq if self._out_word else 0  # the output word tells when its result is in
         if not box.requests.push(request.SerializeToString()):
+            self._release_failed(request.call_id, seq)
             raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
         self._wake.ring(wake_always=True)
         if early:
@@ -229,9 +194,10 @@ class LocalTransport(Transport):
         except BaseException:
             self._outstanding = (request.call_id, seq)  # its late result would land on the next call's bytes
             raise
-        self._outstanding = None
         failure = reply_error(reply, call_name(request.unit, request.op), out_shape, out_dtype)
         if failure is not None:
+            if reply.status.code != pb.OK:
+                self._release_failed(request.call_id, seq)
             raise failure
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if gpu is not None:  # our stream waits for the executor's writes; the host does not
@@ -240,6 +206,36 @@ class LocalTransport(Transport):
             y = y.to(x.device) if gpu is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)
         return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
+
+    def _follow(self, stream) -> None:
+        """Orders a call made on another CUDA stream than the last call after that call: every
+        call reuses the mailbox's bytes and words."""
+        last = self._stream
+        if last is not None and last.cuda_stream != stream.cuda_stream:
+            if self._switched is None:
+                self._switched = torch.cuda.Event()
+            self._switched.record(last)
+            stream.wait_event(self._switched)
+        self._stream = stream
+
+    def _finish_outstanding(self) -> None:
+        """Waits for the reply of an interrupted call (before a grow replaces the rings it comes
+        on), then orders our stream after its result: the next copy-in must not overwrite what
+        its GEMM reads."""
+        call_id, seq = self._outstanding
+        reply = self._wait_reply(self._box, call_id)
+        self._outstanding = None
+        if reply.status.code != pb.OK:
+            self._release_failed(call_id, seq)
+        elif self._gpu is not None:
+            self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
+
+    def _release_failed(self, call_id: int, seq: int) -> None:
+        """A call that waited for its reply failed, or was never sent: its output word is
+        written in call order (client/transports/unanswered.py); nobody else writes it."""
+        if seq:
+            self._unanswered.add_failed(Sent(call_id, seq, "", pb.FORWARD, (), torch.float32))
+            self._collect(keep=len(self._unanswered))
 
     def _wait_result(self, stream, seq: int) -> None:
         """Our stream waits for the executor's writes of an answered call: for its output word
@@ -250,16 +246,18 @@ class LocalTransport(Transport):
             stream.wait_event(self._gpu.output_ready)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
+        u = self._unanswered
         while True:
             seq = box.reply_bell.seq()
             raw = box.replies.pop()
             if raw is not None:
                 reply = pb.CallReply.FromString(raw)
-                if reply.call_id == call_id or (reply.call_id == 0 and not self._unanswered):
+                if reply.call_id == call_id or (reply.call_id == 0 and not u):
                     return reply
-                self._unanswered.answer(reply)  # an earlier call's (else a stale reply of an abandoned call)
+                u.answer(reply)  # an earlier call's (else a stale reply of an abandoned call)
                 continue
-            self._sleep(box, seq, LIVENESS_SLICE_US)
+            u.release(box)  # (a failed earlier call's wait may hold this call's input back)
+            self._sleep(box, seq, RELEASE_POLL_US if u.failed else LIVENESS_SLICE_US)
 
     def _sleep(self, box: mailbox.Mailbox, seq: int, timeout_us: int) -> None:
         """Waits for a reply after the bell's `seq`, at most timeout_us; raises when the executor
@@ -274,30 +272,9 @@ class LocalTransport(Transport):
         self._teardown()
         raise ExecutorUnavailableError(why)
 
-    def _take_replies(self, box: mailbox.Mailbox) -> int:
-        """Takes every reply there is for calls that returned early; returns how many came."""
-        n = 0
-        while (raw := box.replies.pop()) is not None:
-            self._unanswered.answer(pb.CallReply.FromString(raw))
-            n += 1
-        self._unanswered.release(box)
-        return n
-
     def _collect(self, keep: int | None = None) -> None:
-        """Takes the replies of calls that returned early. keep=None: those that came; else waits
-        until at most `keep` are unanswered. Raises the first failure among them once our GPU's
-        wait for each failed call is released (client/transports/unanswered.py)."""
-        box, u = self._box, self._unanswered
-        while True:
-            seq = box.reply_bell.seq()
-            got = self._take_replies(box)
-            failure = u.take_failure()
-            if failure is not None:
-                raise failure
-            if not u.failed and (keep is None or len(u) <= keep):
-                return
-            if not got:  # a failed call waits for its predecessor's result, not for a reply
-                self._sleep(box, seq, RELEASE_POLL_US if u.failed else LIVENESS_SLICE_US)
+        """Takes the replies of calls that returned early (Unanswered.collect)."""
+        self._unanswered.collect(self._box, self._sleep, keep)
 
     def _confirm(self) -> None:
         if self._gone and self._box is not None:
@@ -322,26 +299,26 @@ class LocalTransport(Transport):
             except BufferError:
                 pass
             self._wake_mem = None
-        if self._sock is not None and self.tenant_id == 0:
-            self._sock.close()
-            self._sock = None
+        if self.tenant_id == 0:
+            self._channel.close()
 
 
 def _watch(ref) -> None:
     """Watchdog of one transport: while calls are unanswered and the caller is not in one (its host
     may be blocked in a CUDA synchronise behind our GPU's waits), takes their replies, releases
-    failed calls, and releases every wait once the executor is gone or has detached us."""
+    failed calls, and releases every wait once the executor is gone or has detached us. Runs until
+    the transport is closed (a grow unmaps the mailbox for a moment)."""
     while True:
         time.sleep(WATCH_S)
         t = ref()
-        if t is None or t._box is None:
+        if t is None or (t.tenant_id == 0 and t._box is None):
             return
         if t._unanswered.busy and t._lock.acquire(blocking=False):
             try:
                 box = t._box
-                if box is not None and t._unanswered.busy:
+                if box is not None and t._unanswered.busy and t._outstanding is None:  # (else its reply is the caller's)
                     try:
-                        t._take_replies(box)
+                        t._unanswered.take(box)
                     except Exception:  # (a corrupt ring: the caller's next call meets it)
                         pass
                     if box.detached or not alive(t._executor_pid):

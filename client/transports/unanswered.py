@@ -4,7 +4,8 @@ A same-GPU call returns as soon as it is sent: the tenant's stream waits on the 
 mailbox's output word, which the executor's stream writes once the result is in place, so
 neither host waits for the other. The replies (statuses) come later and are taken here.
 
-A call that failed got no result, so nothing would release the tenant GPU's wait for it. The
+A call that failed (a status other than OK) got no result and the executor does not write the
+output word for it, so nothing would release the tenant GPU's wait for it. The
 tenant writes the output word itself, in call order and only once the previous call's result is
 in (the word has reached it): an earlier call's read is never let through before its result.
 Its failure is raised once that is done, at the next call or at the next confirm().
@@ -21,6 +22,9 @@ from client.errors import InternalError, error_for_status
 from proto import codec
 from proto import executor_pb2 as pb
 from proto.cuda_ipc import reached
+
+LIVENESS_SLICE_US = 200_000  # how long a wait sleeps before it looks whether the executor is alive
+RELEASE_POLL_US = 1000  # how often a failed call's release looks at the output word
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,6 +79,11 @@ class Unanswered:
     def add(self, sent: Sent) -> None:
         self.sent.append(sent)
 
+    def add_failed(self, sent: Sent) -> None:
+        """A call whose failure its caller raises itself (it waited for its reply, or was never
+        sent): only its output word is left to write."""
+        bisect.insort(self.failed, sent, key=lambda s: s.call_id)
+
     def answer(self, reply: pb.CallReply) -> bool:
         """Takes a reply; False when it answers none of these calls."""
         if self.sent and self.sent[0].call_id == reply.call_id:  # replies mostly come in call order
@@ -91,7 +100,8 @@ class Unanswered:
             self.sent.remove(sent)
         failure = reply_error(reply, sent.what, sent.out_shape, sent.out_dtype)
         if failure is not None:
-            bisect.insort(self.failed, sent, key=lambda s: s.call_id)
+            if reply.status.code != pb.OK:  # (a call run with a result other than asked for had its word written)
+                bisect.insort(self.failed, sent, key=lambda s: s.call_id)
             if self.failure is None or sent.call_id < self.failure[0]:
                 self.failure = (sent.call_id, failure)
         return True
@@ -107,6 +117,31 @@ class Unanswered:
             if not reached(word, seq):
                 box.set_output_word(seq)
             self.failed.pop(0)
+
+    def take(self, box) -> int:
+        """Takes every reply on the mailbox's ring and releases what it can; returns how many came."""
+        n = 0
+        while (raw := box.replies.pop()) is not None:
+            self.answer(pb.CallReply.FromString(raw))
+            n += 1
+        self.release(box)
+        return n
+
+    def collect(self, box, sleep, keep: int | None = None) -> None:
+        """Takes the replies. keep=None: those that came; else waits until at most `keep` calls
+        are unanswered. Raises the first failure among them once our GPU's wait for each failed
+        call is released. sleep(box, bell_seq, timeout_us) waits for the next reply (and raises
+        when the executor is gone)."""
+        while True:
+            seq = box.reply_bell.seq()
+            got = self.take(box)
+            failure = self.take_failure()
+            if failure is not None:
+                raise failure
+            if not self.failed and (keep is None or len(self) <= keep):
+                return
+            if not got:  # a failed call waits for its predecessor's result, not for a reply
+                sleep(box, seq, RELEASE_POLL_US if self.failed else LIVENESS_SLICE_US)
 
     def take_failure(self) -> Exception | None:
         """The earliest call's failure, once every failed call is released (then forgotten)."""
