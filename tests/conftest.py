@@ -26,6 +26,8 @@ class Executor:
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), self.url.split("//")[1] + ".log")
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", self.url, *flags]
+        if os.environ.get("SYMBIONT_TEST_LOG_LEVEL"):  # (say DEBUG, to read what an executor did: log_path)
+            cmd += ["--log-level", os.environ["SYMBIONT_TEST_LOG_LEVEL"]]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             wait_for_executor(self.url, 180, self.proc)

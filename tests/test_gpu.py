@@ -232,7 +232,7 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         y = slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
         slow.transport.confirm()  # (the call returned at once; its reply says the executor took it)
         replied_in = time.monotonic() - t0
-        assert not torch.cuda.current_stream().query(), "the sleep should still run"
+        assert not torch.cuda.current_stream().query(), f"the sleep should still run (the reply took {replied_in:.2f} s)"
         side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
         with torch.no_grad(), torch.cuda.stream(side):
             t1 = time.monotonic()
