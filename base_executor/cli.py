@@ -34,6 +34,11 @@ def _serve(args: argparse.Namespace) -> int:
     scheme, name = urls.parse(args.listen)
     dtype = codec.DTYPE_BY_NAME[args.dtype]
     device = torch.device(args.device)
+    if device.type == "cuda" and not args.no_gpu_waits:
+        # Loading a kernel at its first launch (CUDA's lazy loading) synchronises all our GPU work,
+        # a stream that waits for a tenant's input included: one stalled tenant would stall every
+        # tenant. Load every kernel when CUDA starts instead (torch would choose lazy loading).
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     sched = SchedulerConfig(
@@ -66,6 +71,9 @@ def _serve(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
         catalog.device_uuid = device_uuid(device)
         _warn_without_mps(log)
+        if not args.no_gpu_waits and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+            log.warning("CUDA_MODULE_LOADING=%s: a kernel's first launch may wait for a tenant's stalled input copy, "
+                        "stalling every tenant (unset it, or serve with --no-gpu-waits)", os.environ.get("CUDA_MODULE_LOADING"))
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     table.to(device)
     core = ExecutorCore(table, dtype, device, sched)

@@ -108,6 +108,7 @@ def pin_host(device: torch.device, ptr: int, nbytes: int) -> None:
 
 
 _HOST_REGISTER_DEVICEMAP = 2
+_ALREADY_REGISTERED = 712  # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
 _WAIT_GEQ = 0  # (int32)(*addr - value) >= 0: a cyclic comparison, so the counter may wrap
 
 
@@ -116,7 +117,11 @@ def map_host_words(device: torch.device, ptr: int, nbytes: int) -> int:
     GPU can then write words there (stream_write) and wait on them (stream_wait)."""
     lib = _driver()
     with _current(device):
-        _check(lib.cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP), f"cuMemHostRegister({nbytes})")
+        rc = lib.cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP)
+        if rc == _ALREADY_REGISTERED:  # left by memory unmapped without unregistering (it was here before)
+            lib.cuMemHostUnregister(ptr)
+            rc = lib.cuMemHostRegister_v2(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP)
+        _check(rc, f"cuMemHostRegister({nbytes})")
         dptr = ctypes.c_uint64()
         rc = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, 0)
         if rc != 0:
@@ -159,6 +164,14 @@ def drop_stream(device: torch.device, stream: torch.cuda.ExternalStream) -> None
 def unpin_host(device: torch.device, ptr: int) -> None:
     with _current(device):
         _check(_driver().cuMemHostUnregister(ptr), "cuMemHostUnregister")
+
+
+def unpin_host_quietly(device: torch.device, ptr: int) -> None:
+    """unpin_host for a finalizer: nothing to raise to."""
+    try:
+        unpin_host(device, ptr)
+    except Exception:
+        pass
 
 
 _PRIMARY: dict[int, ctypes.c_void_p] = {}  # device index -> its primary context, retained for good

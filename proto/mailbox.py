@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -92,6 +93,7 @@ class Mailbox:
         self.replies = Ring(mem, REPLY_RING_OFFSET, RING_SLOTS, RING_SLOT_SIZE)
         self.reply_bell = Doorbell(mem, REPLY_BELL_OFFSET)
         self._views = codec.ViewCache(lambda offset, shape, dtype: codec.view(mem, DATA_OFFSET + offset, shape, dtype))
+        self._words_mapped: weakref.finalize | None = None
 
     @staticmethod
     def total_bytes(data_bytes: int) -> int:
@@ -111,15 +113,21 @@ class Mailbox:
 
     def map_words(self, device) -> tuple[int, int]:
         """Maps WORDS_PAGE for `device`'s streams (proto.cuda_ipc); returns the device addresses of
-        the input word and the output word. Undo with unmap_words."""
-        from proto.cuda_ipc import map_host_words
+        the input word and the output word. Undo with unmap_words; a mailbox dropped without it
+        undoes it as it goes (else a later map at the same address would find it still mapped)."""
+        from proto.cuda_ipc import map_host_words, unpin_host_quietly
 
-        page = map_host_words(device, self.words_address(), WORDS_PAGE[1])
+        address = self.words_address()
+        page = map_host_words(device, address, WORDS_PAGE[1])
+        self._words_mapped = weakref.finalize(self, unpin_host_quietly, device, address)
         return page + INPUT_WORD_IN_PAGE, page + OUTPUT_WORD_IN_PAGE
 
     def unmap_words(self, device) -> None:
         from proto.cuda_ipc import unpin_host
 
+        if self._words_mapped is not None:
+            self._words_mapped.detach()
+            self._words_mapped = None
         unpin_host(device, self.words_address())
 
     def input_word(self) -> int:

@@ -223,7 +223,8 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         bystander = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
         ref = build_builtin("tiny-llama").cuda()
         probe = ids(1, 5).cuda()
-        with torch.no_grad():
+        side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
+        with torch.no_grad(), torch.cuda.stream(side):
             bystander(probe)
         torch.cuda.synchronize()
         time.sleep(0.05)  # the bystander's last call is older than the scheduler's longest wait
@@ -233,7 +234,6 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         slow.transport.confirm()  # (the call returned at once; its reply says the executor took it)
         replied_in = time.monotonic() - t0
         assert not torch.cuda.current_stream().query(), f"the sleep should still run (the reply took {replied_in:.2f} s)"
-        side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
         with torch.no_grad(), torch.cuda.stream(side):
             t1 = time.monotonic()
             got = bystander(probe).logits
@@ -296,31 +296,34 @@ def test_failed_call_returns_early_and_raises_later():
         conn.close()
 
 
-def test_executor_killed_while_our_gpu_waits_for_a_result():
-    """Same GPU: the executor is killed while a tenant's stream waits for a result it will never
-    write. The tenant's watchdog releases the wait, so a synchronise returns, and the next call
-    raises ExecutorUnavailableError. The tenant runs in its own process: its queued read of the
-    dead executor's memory may fault its CUDA context, and under MPS no new CUDA process starts
-    on the GPU until a faulted one exits (README); after it exits, a new executor serves."""
-    import os
-    import subprocess
-    import sys
+def test_calls_on_two_streams_keep_their_order():
+    """Same GPU: a call made on another CUDA stream than the call before it is ordered after it
+    (both use the mailbox's one input area and words): the first call's input copy sits behind
+    a long kernel on its stream, and both results are still right."""
+    from proto import executor_pb2 as pb
 
-    from tests.conftest import REPO, Executor
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        conn, x = gpu_tenant_and_input(ex.url, unit)
+        t = conn.transport
 
-    ex = Executor("tiny-llama", "--device", "cuda:0")
-    try:
-        tenant = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "executor_killed_job.py"), ex.url],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-        assert tenant.stdout.readline().strip() == "called"
-        ex.proc.kill()
-        ex.proc.wait()
-        out, _ = tenant.communicate("go\n", timeout=90)
-    finally:
-        ex.stop()
-    assert out.split() == ["synchronized", "ExecutorUnavailableError"], out
-    with running_executor("tiny-llama", "--device", "cuda:0") as again:
-        _serves_exactly(again.url)
+        def call(v):
+            return t.call(unit, pb.FORWARD, v, (3, 64), torch.float32, pb.INFERENCE)
+
+        x2 = 2 * x + 1
+        want, want2 = call(x).cpu(), call(x2).cpu()
+        first, second = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(first):
+            torch.cuda._sleep(500_000_000)  # ~0.25 s ahead of the first call's input copy
+            y = call(x)
+        with torch.cuda.stream(second):
+            y2 = call(x2)
+        torch.cuda.synchronize()
+        t.confirm()
+        torch.testing.assert_close(y.cpu(), want)
+        torch.testing.assert_close(y2.cpu(), want2)
+        conn.close()
 
 
 def test_tenant_killed_while_the_gpu_waits_for_its_input():
@@ -440,3 +443,32 @@ print("exact")
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         out = subprocess.run([sys.executable, "-c", job, ex.url], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == "exact", out.stderr[-2000:]
+
+
+def test_executor_killed_while_our_gpu_waits_for_a_result():
+    """Same GPU: the executor is killed while a tenant's stream waits for a result it will never
+    write. The tenant's watchdog releases the wait, so a synchronise returns, and the next call
+    raises ExecutorUnavailableError. The tenant runs in its own process: its queued read of the
+    dead executor's memory may fault its CUDA context, and under MPS no new CUDA process starts
+    on the GPU until a faulted one exits (README); after it exits, a new executor serves.
+    Under MPS a fault also reaches the other CUDA processes on the GPU, this one included, so
+    this test comes last in the file."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, Executor
+
+    ex = Executor("tiny-llama", "--device", "cuda:0")
+    try:
+        tenant = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "executor_killed_job.py"), ex.url],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        assert tenant.stdout.readline().strip() == "called"
+        ex.proc.kill()
+        ex.proc.wait()
+        out, _ = tenant.communicate("go\n", timeout=90)
+    finally:
+        ex.stop()
+    assert out.split() == ["synchronized", "ExecutorUnavailableError"], out
+    with running_executor("tiny-llama", "--device", "cuda:0") as again:
+        _serves_exactly(again.url)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -102,7 +103,9 @@ class LocalTransport(Transport):
         self._seq = 0  # a new mailbox's words start at 0
         try:
             self._words, out_word = self._box.map_words(self.area_device)
-        except RuntimeError:
+        except RuntimeError as e:  # (calls still work, each waiting for its reply)
+            warnings.warn(f"{self.url}: the mailbox's words could not be mapped for {self.area_device} ({e}); "
+                          "calls will wait for their replies", RuntimeWarning, stacklevel=2)
             self._words = 0
             return
         if output_word:
