@@ -8,7 +8,8 @@ decode at batch 1 (prompt 128, 128 new tokens); prefill of 2048 tokens. Each rep
 the unsplit model and the tenant back to back; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
 executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
-`--profile SECONDS` samples both processes with py-spy per scenario.
+`--profile SECONDS` samples both processes with py-spy per scenario; `--torch-profile` runs each
+scenario once per model under torch.profiler.
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -61,6 +62,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0", help="the executor's and the tenant's device (cpu: a smoke test)")
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
                    help="after timing each scenario, sample both processes with py-spy for this long (pip install py-spy)")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="after timing each scenario, run it once per model under torch.profiler and print where the "
+                   "tenant's host time goes (self CPU time per op, CUDA runtime calls included)")
     a = p.parse_args()
     out_dir = pathlib.Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +103,18 @@ def main() -> int:
             for who, path in stacks.items():
                 print(f"\n{name}, {who} (py-spy):\n" + top_frames(path, REPO), flush=True)
 
+        def torch_profile(title, run):
+            """One run under torch.profiler: the ops that take the most host time, and the GPU's."""
+            from torch.profiler import ProfilerActivity, profile as tprofile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with tprofile(activities=acts) as prof:
+                run()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
+            print(f"\n{title} (torch.profiler, one run):\n{table}", flush=True)
+
         def scenario(name, run_one):
             times = {k: [] for k in models}
             for i in range(a.steps + 2):
@@ -112,6 +128,9 @@ def main() -> int:
             results[name] = {k: statistics.median(v) for k, v in times.items()}
             if a.profile:
                 profile(name, lambda: run_one(models["symbiont"]))
+            if a.torch_profile:
+                for k, m in models.items():
+                    torch_profile(f"{name}, {k}", lambda: run_one(m))
             r = results[name]
             print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
                   f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)
