@@ -88,6 +88,8 @@ def main() -> int:
 
             rows["build and serialise the request"] = host_us(request, a.calls)
             rows["torch.cuda.current_stream(device)"] = host_us(lambda: torch.cuda.current_stream(dev), a.calls)
+            rows["its raw handle: torch._C._cuda_getCurrentRawStream(index)"] = host_us(
+                lambda: torch._C._cuda_getCurrentRawStream(dev.index), a.calls)
             area = t._gpu
             inp, out = area.view(0, shape, torch.bfloat16), area.view(8192, shape, torch.bfloat16)
             rows["copy into the mailbox (copy_)"] = host_us(lambda: inp.copy_(x), a.calls)

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from client.errors import InvalidCallError, raise_for_status
+from client.errors import ExecutorUnavailableError, InvalidCallError, NotAttachedError, raise_for_status
 from proto import codec, urls
 from proto import executor_pb2 as pb
 
@@ -123,11 +123,14 @@ class Transport(abc.ABC):
             self._close()
 
     def _close(self) -> None:
-        if self.tenant_id:
+        for _ in range(1000):  # (the calls' results are in before the mailbox goes)
             try:
-                self._confirm()  # (the calls' results are in before the mailbox goes)
-            except Exception:
-                pass
+                self._confirm()
+                break
+            except (ExecutorUnavailableError, NotAttachedError):
+                break
+            except Exception:  # a failed call's error: it is the caller's no more; the rest still come
+                continue
         if self.tenant_id:
             try:
                 self.control("detach", pb.DetachRequest(), timeout_s=5.0)

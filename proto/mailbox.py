@@ -120,6 +120,7 @@ class Mailbox:
         address = self.words_address()
         page = map_host_words(device, address, WORDS_PAGE[1])
         self._words_mapped = weakref.finalize(self, unpin_host_quietly, device, address)
+        self._words_mapped.atexit = False  # (at exit the driver goes anyway; GPU work may still use it)
         return page + INPUT_WORD_IN_PAGE, page + OUTPUT_WORD_IN_PAGE
 
     def unmap_words(self, device) -> None:

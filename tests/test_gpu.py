@@ -263,6 +263,7 @@ def test_failed_call_returns_early_and_raises_later():
     so the tenant releases its GPU's wait for it itself once the earlier call's result is in:
     confirm() (or the next call) raises the failure, the earlier result is right, no
     synchronise hangs, and the calls after it work."""
+    import threading
     import time
 
     from client.errors import UnknownUnitError
@@ -293,7 +294,14 @@ def test_failed_call_returns_early_and_raises_later():
         assert _synchronizes_within(20)
         torch.testing.assert_close(call().cpu(), want)
         t.confirm()
-        conn.close()
+        torch.cuda._sleep(200_000_000)  # closing with calls in flight, one of them failed
+        for name in (unit, "no.such.unit", unit, unit):
+            call(name)
+        closer = threading.Thread(target=conn.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close() hung behind a failed call"
+        assert _synchronizes_within(20)
 
 
 def test_calls_on_two_streams_keep_their_order():

@@ -182,6 +182,7 @@ class AreaPool:
 
                 areas.release_wait()  # (its tenant is detached)
                 areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
+                torch.cuda.current_stream(self.device).synchronize()  # a result's word write may be queued there
                 drop_stream(self.device, areas.stream)
                 areas.stream = None
                 areas.box.unmap_words(self.device)

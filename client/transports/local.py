@@ -31,7 +31,7 @@ from client.transport import Transport
 from client.transports.control import ControlChannel
 from proto import codec, mailbox, urls
 from client.transports.unanswered import LIVENESS_SLICE_US, RELEASE_POLL_US, Sent, Unanswered, call_name, reply_error
-from proto.cuda_ipc import stream_wait, stream_write
+from proto.cuda_ipc import reached, stream_wait, stream_write
 from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
@@ -61,7 +61,7 @@ class LocalTransport(Transport):
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
-        self._stream = None  # the CUDA stream of the last same-GPU call
+        self._stream: int | None = None  # the CUDA stream (cudaStream_t) of the last same-GPU call
         self._switched = None  # an event that orders a call on another stream after the last
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
@@ -74,10 +74,10 @@ class LocalTransport(Transport):
             raise InternalError("the executor uses another mailbox layout: install the same symbiont version on both sides")
         self._executor_pid = self._channel.executor_pid = reply.wake.owner_pid
         self._gone, self._outstanding = "", None  # (of an earlier attach)
-        self._unanswered.abandon()
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
-        self._map(reply)
+        self._map(reply)  # (releases what an earlier mailbox still waited for)
+        self._unanswered.abandon()
         self._max_data = reply.max_mailbox_bytes
 
     def _map(self, reply: pb.AttachReply | pb.GrowReply) -> None:
@@ -116,9 +116,9 @@ class LocalTransport(Transport):
 
     def _unmap(self) -> None:
         """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
-        if self._unanswered.busy and self._box is not None:  # no result comes (confirm() ran first where it could)
-            self._box.set_output_word(self._seq)  # before the synchronise below, which would wait for them
-            self._unanswered.abandon()
+        if self._out_word and self._box is not None:
+            self._release_all()
+        self._unanswered.abandon()
         self._out_word = 0
         self._stream = None
         if self._gpu is not None:
@@ -136,6 +136,23 @@ class LocalTransport(Transport):
         if self._box is not None:
             self._box.close()
             self._box = None
+
+    def _release_all(self, timeout_s: float = 60.0) -> None:
+        """Lets every wait of our stream for the output word go, before the synchronise that
+        drops the region: when calls are unanswered, or the executor is gone or has detached us,
+        no result may come for them. Writes the word again while our stream still waits, since a
+        write the executor's GPU had queued may land after ours and set it back."""
+        box = self._box
+        if not (self._unanswered.busy or box.detached or not alive(self._executor_pid)):
+            return  # (every result is in or on its way)
+        stream = torch.cuda.ExternalStream(self._stream, device=self._gpu.device) if self._stream else None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not reached(box.output_word(), self._seq):
+                box.set_output_word(self._seq)
+            if stream is None or stream.query() or time.monotonic() > deadline:
+                return
+            time.sleep(RELEASE_POLL_US * 1e-6)
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -167,26 +184,36 @@ class LocalTransport(Transport):
         request.in_offset, request.out_offset = 0, in_bytes
         area = gpu or box
         if gpu is not None:
-            stream = torch.cuda.current_stream(gpu.device)  # after a copy from a peer GPU, too
+            stream = _current_stream(gpu.device)  # after a copy from a peer GPU, too
             self._follow(stream)
         area.view(0, x.shape, x.dtype).copy_(x)
         early = False  # whether the call returns before its reply
         if gpu is not None:
             if self._words and x.device == gpu.device:
                 self._seq = self._seq % 0xFFFFFFFF + 1  # never 0, which means "no word"
-                stream_write(stream.cuda_stream, self._words, self._seq)
+                stream_write(stream, self._words, self._seq)
                 request.input_seq = self._seq
                 early = bool(self._out_word) and self.return_early
             else:
-                gpu.input_ready.record(stream)
+                gpu.input_ready.record(torch.cuda.ExternalStream(stream, device=gpu.device))
         seq = request.input_seq if self._out_word else 0  # the output word tells when its result is in
-        if not box.requests.push(request.SerializeToString()):
-            self._release_failed(request.call_id, seq)
-            raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-        self._wake.ring(wake_always=True)
+        pushed = False
+        try:
+            if not box.requests.push(request.SerializeToString()):
+                raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+            pushed = True
+            self._wake.ring(wake_always=True)
+            if early:
+                self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
+                pushed = False  # (tracked now)
+                stream_wait(stream, self._out_word, seq)  # our GPU waits for the result
+        except BaseException:  # (an interrupt too) its word must still be written, in call order
+            if pushed:
+                self._outstanding = (request.call_id, seq)  # sent, not tracked: the next call finishes it
+            else:
+                self._release_failed(request.call_id, seq)
+            raise
         if early:
-            self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
-            stream_wait(stream.cuda_stream, self._out_word, seq)  # our GPU waits for the result
             y = gpu.view(request.out_offset, out_shape, out_dtype)
             result = y.clone() if take is None else take(y)  # (queued behind the wait)
             if len(self._unanswered) >= MAX_UNANSWERED:
@@ -210,15 +237,15 @@ class LocalTransport(Transport):
             return y if take is None else take(y)
         return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
 
-    def _follow(self, stream) -> None:
+    def _follow(self, stream: int) -> None:
         """Orders a call made on another CUDA stream than the last call after that call: every
         call reuses the mailbox's bytes and words."""
         last = self._stream
-        if last is not None and last.cuda_stream != stream.cuda_stream:
+        if last is not None and last != stream:
             if self._switched is None:
                 self._switched = torch.cuda.Event()
-            self._switched.record(last)
-            stream.wait_event(self._switched)
+            self._switched.record(torch.cuda.ExternalStream(last, device=self._gpu.device))
+            torch.cuda.ExternalStream(stream, device=self._gpu.device).wait_event(self._switched)
         self._stream = stream
 
     def _finish_outstanding(self) -> None:
@@ -231,7 +258,7 @@ class LocalTransport(Transport):
         if reply.status.code != pb.OK:
             self._release_failed(call_id, seq)
         elif self._gpu is not None:
-            self._wait_result(torch.cuda.current_stream(self._gpu.device), seq)
+            self._wait_result(_current_stream(self._gpu.device), seq)
 
     def _release_failed(self, call_id: int, seq: int) -> None:
         """A call that waited for its reply failed, or was never sent: its output word is
@@ -240,13 +267,13 @@ class LocalTransport(Transport):
             self._unanswered.add_failed(Sent(call_id, seq, "", pb.FORWARD, (), torch.float32))
             self._collect(keep=len(self._unanswered))
 
-    def _wait_result(self, stream, seq: int) -> None:
+    def _wait_result(self, stream: int, seq: int) -> None:
         """Our stream waits for the executor's writes of an answered call: for its output word
         to reach `seq`, or (0) for output_ready."""
         if seq:
-            stream_wait(stream.cuda_stream, self._out_word, seq)
+            stream_wait(stream, self._out_word, seq)
         else:
-            stream.wait_event(self._gpu.output_ready)
+            torch.cuda.ExternalStream(stream, device=self._gpu.device).wait_event(self._gpu.output_ready)
 
     def _wait_reply(self, box: mailbox.Mailbox, call_id: int) -> pb.CallReply:
         u = self._unanswered
@@ -282,6 +309,8 @@ class LocalTransport(Transport):
     def _confirm(self) -> None:
         if self._gone and self._box is not None:
             self._executor_gone(self._gone)
+        if self._outstanding and self._box is not None:  # (its reply is not one of the unanswered)
+            self._finish_outstanding()
         if self._box is not None and self._unanswered.busy:
             self._collect(keep=0)
 
@@ -304,6 +333,13 @@ class LocalTransport(Transport):
             self._wake_mem = None
         if self.tenant_id == 0:
             self._channel.close()
+            self._executor_pid = self._channel.executor_pid = 0  # (a restarted executor has another)
+
+
+def _current_stream(device: torch.device) -> int:
+    """The cudaStream_t of `device`'s current stream (torch.cuda.current_stream costs ~7.6 µs of
+    host time a call, this ~1: benchmarks/RESULTS.md, S6 pieces)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 def _watch(ref) -> None:
@@ -316,14 +352,15 @@ def _watch(ref) -> None:
         t = ref()
         if t is None or (t.tenant_id == 0 and t._box is None):
             return
-        if t._unanswered.busy and t._lock.acquire(blocking=False):
+        if t._out_word and t._lock.acquire(blocking=False):
             try:
                 box = t._box
-                if box is not None and t._unanswered.busy and t._outstanding is None:  # (else its reply is the caller's)
-                    try:
-                        t._unanswered.take(box)
-                    except Exception:  # (a corrupt ring: the caller's next call meets it)
-                        pass
+                if box is not None and t._out_word and not reached(box.output_word(), t._seq):  # a wait of ours may hang
+                    if t._outstanding is None:  # (else its reply is the caller's)
+                        try:
+                            t._unanswered.take(box)
+                        except Exception:  # (a corrupt ring: the caller's next call meets it)
+                            pass
                     if box.detached or not alive(t._executor_pid):
                         box.set_output_word(t._seq)  # no result comes any more
                         t._gone = f"the executor at {t.url} (pid {t._executor_pid}) is gone, or detached this tenant"
