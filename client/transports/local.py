@@ -337,8 +337,8 @@ class LocalTransport(Transport):
 
 
 def _current_stream(device: torch.device) -> int:
-    """The cudaStream_t of `device`'s current stream (torch.cuda.current_stream costs ~7.6 µs of
-    host time a call, this ~1: benchmarks/RESULTS.md, S6 pieces)."""
+    """The cudaStream_t of `device`'s current stream (0.4 µs of host time against 5.8-7.6 µs for
+    torch.cuda.current_stream: benchmarks/RESULTS.md, S6 pieces)."""
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
