@@ -197,21 +197,21 @@ class LocalTransport(Transport):
             else:
                 gpu.input_ready.record(torch.cuda.ExternalStream(stream, device=gpu.device))
         seq = request.input_seq if self._out_word else 0  # the output word tells when its result is in
-        pushed = False
+        sent = tracked = False
         try:
             if not box.requests.push(request.SerializeToString()):
                 raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-            pushed = True
+            sent = True
             self._wake.ring(wake_always=True)
             if early:
                 self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
-                pushed = False  # (tracked now)
+                tracked = True  # (its reply and any release are the unanswered calls' now)
                 stream_wait(stream, self._out_word, seq)  # our GPU waits for the result
         except BaseException:  # (an interrupt too) its word must still be written, in call order
-            if pushed:
-                self._outstanding = (request.call_id, seq)  # sent, not tracked: the next call finishes it
-            else:
+            if not sent:
                 self._release_failed(request.call_id, seq)
+            elif not tracked:
+                self._outstanding = (request.call_id, seq)  # the next call finishes it
             raise
         if early:
             y = gpu.view(request.out_offset, out_shape, out_dtype)
