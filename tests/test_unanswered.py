@@ -42,15 +42,16 @@ def test_previous_seq_wraps_past_zero():
 
 def test_failed_calls_are_released_in_call_order_after_the_results_before_them(box):
     u = Unanswered()
+    u.bind(box)
     for i in (1, 2, 3, 4):
         u.add(_sent(i))
     assert u.answer(_failed(3)) and u.answer(_failed(2))  # replies may come out of call order
-    u.release(box)
+    u.release()
     assert box.output_word() == 0, "call 1's result is not in: nothing may be released yet"
     assert u.take_failure() is None
     assert u.answer(_ok(1))
     box.set_output_word(1)  # what the executor's stream writes once call 1's result is in
-    u.release(box)
+    u.release()
     assert box.output_word() == 3 and not u.failed  # 2 then 3, each right after its predecessor
     failure = u.take_failure()
     assert isinstance(failure, UnknownUnitError) and "FORWARD of 'u2'" in str(failure)  # the earliest call's
@@ -61,19 +62,21 @@ def test_failed_calls_are_released_in_call_order_after_the_results_before_them(b
 
 def test_a_released_word_never_goes_back(box):
     u = Unanswered()
+    u.bind(box)
     u.add(_sent(1))
     box.set_output_word(5)  # later calls' results already in
     u.answer(_failed(1))
-    u.release(box)
+    u.release()
     assert box.output_word() == 5
 
 
 def test_wrong_result_shape_is_an_internal_error_and_stale_replies_are_ignored(box):
     u = Unanswered()
+    u.bind(box)
     u.add(_sent(1))
     assert not u.answer(_ok(7))  # not one of these calls (an abandoned call's late reply)
     assert u.answer(_ok(1, shape=(3, 5)))
-    u.release(box)
+    u.release()
     assert isinstance(u.take_failure(), InternalError)
 
 
@@ -81,15 +84,16 @@ def test_a_failed_call_that_waited_for_its_reply_keeps_the_order_of_releases(box
     """A call that waited for its reply and failed raised its own error; its output word is still
     written in call order, so a later failed call's release is not held up for good."""
     u = Unanswered()
+    u.bind(box)
     u.add(_sent(1))
     u.add_failed(_sent(2))  # failed, its caller raised
     u.add(_sent(3))
     assert u.answer(_failed(3))
-    u.release(box)
+    u.release()
     assert box.output_word() == 0
     assert u.answer(_ok(1))
     box.set_output_word(1)
-    u.release(box)
+    u.release()
     assert box.output_word() == 3 and not u.failed
     failure = u.take_failure()
     assert isinstance(failure, UnknownUnitError) and "'u3'" in str(failure)  # call 2's error was its caller's
@@ -99,16 +103,18 @@ def test_a_call_run_with_the_wrong_result_is_not_released_by_the_tenant(box):
     """The executor wrote that call's output word itself (it ran): the tenant must not write it,
     or a late write of the executor's could move the word back."""
     u = Unanswered()
+    u.bind(box)
     u.add(_sent(1))
     assert u.answer(_ok(1, shape=(9, 9)))
     assert not u.failed
-    u.release(box)
+    u.release()
     assert box.output_word() == 0
     assert isinstance(u.take_failure(), InternalError)
 
 
 def test_collect_takes_the_replies_from_the_ring_and_raises_the_earliest_failure(box):
     u = Unanswered()
+    u.bind(box)
     for i in (1, 2, 3):
         u.add(_sent(i))
     pending = [_failed(2), _ok(1), _ok(3)]
@@ -121,11 +127,39 @@ def test_collect_takes_the_replies_from_the_ring_and_raises_the_earliest_failure
         if reply.status.code == pb.OK:
             b.set_output_word(max(b.output_word(), reply.call_id))
 
-    u.collect(box, sleep)  # keep=None: takes what came (nothing), never sleeps
+    u.collect(sleep)  # keep=None: takes what came (nothing), never sleeps
     assert sleeps == [] and len(u) == 3
     with pytest.raises(UnknownUnitError, match="'u2'"):
-        u.collect(box, sleep, keep=0)
+        u.collect(sleep, keep=0)
     assert box.output_word() == 2  # released once call 1's result was in
     assert len(u) == 1 and sleeps[1] < sleeps[0]  # call 3 unanswered; a release polls sooner
-    u.collect(box, sleep, keep=0)
+    u.collect(sleep, keep=0)
     assert not u.busy and box.output_word() == 3
+
+
+def test_a_reply_the_caller_waits_for_is_kept_when_the_watchdog_takes_it(box):
+    """The watchdog takes replies while the caller may be blocked (finding #3 of the session-5
+    review): a reply the caller takes itself must not be lost when the watchdog comes first."""
+    u = Unanswered()
+    u.bind(box)
+    u.add(_sent(1))
+    u.await_reply(2)  # call 2 waits for its reply (or was interrupted and is finished later)
+    for reply in (_ok(1), _ok(2)):
+        assert box.replies.push(reply.SerializeToString())
+    box.set_output_word(1)
+    assert not u.watch(2, lambda: True)  # the watchdog's look: takes both replies, executor alive
+    assert not u.busy
+    reply = u.wait_reply(2, lambda *a: pytest.fail("the reply was taken already: no wait"))
+    assert reply.call_id == 2 and u.awaited == 0
+
+
+def test_the_watchdog_releases_every_wait_once_the_executor_is_gone(box):
+    u = Unanswered()
+    u.bind(box)
+    u.add(_sent(1))
+    u.add(_sent(2))
+    assert not u.watch(2, lambda: True) and box.output_word() == 0  # alive: results may still come
+    assert u.watch(2, lambda: False) and box.output_word() == 2  # gone: no result comes any more
+    assert not u.watch(2, lambda: False)  # nothing waits any more
+    u.bind(None)
+    assert not u.watch(3, lambda: False), "an unbound mailbox (closed) is never touched"

@@ -9,12 +9,19 @@ output word for it, so nothing would release the tenant GPU's wait for it. The
 tenant writes the output word itself, in call order and only once the previous call's result is
 in (the word has reached it): an earlier call's read is never let through before its result.
 Its failure is raised once that is done, at the next call or at the next confirm().
+
+Two threads use this: the caller, and the transport's watchdog, which takes replies and releases
+failed calls while the caller's host may be blocked in a CUDA synchronise behind one of our GPU's
+waits (holding the transport's lock). So everything here is done under `lock`, a lock of its own
+that is never held across a CUDA call or a sleep; the watchdog never needs the transport's lock.
+A reply that the caller waits for itself (`awaited`) is kept for it when the watchdog takes it.
 """
 from __future__ import annotations
 
 import bisect
 import collections
 import dataclasses
+import threading
 
 import torch
 
@@ -64,9 +71,13 @@ def previous_seq(seq: int) -> int:
 
 class Unanswered:
     def __init__(self):
+        self.lock = threading.Lock()  # never held across a CUDA call or a sleep (module docstring)
+        self.box = None  # the mailbox (proto.mailbox.Mailbox) the replies come on; None: none now
         self.sent: collections.deque[Sent] = collections.deque()  # in call order
         self.failed: list[Sent] = []  # answered with a failure, output word not written yet; call order
         self.failure: tuple[int, Exception] | None = None  # (call id, error) of the earliest failure not raised yet
+        self.awaited = 0  # the call id of a call whose caller takes its reply itself (0: none)
+        self.awaited_reply: pb.CallReply | None = None  # its reply, when another thread took it
 
     def __len__(self) -> int:
         return len(self.sent)
@@ -76,16 +87,39 @@ class Unanswered:
         """Whether anything is left to take or to release."""
         return bool(self.sent or self.failed or self.failure)
 
+    def bind(self, box) -> None:
+        """Takes the replies of `box` from now on (None: of no mailbox); forgets everything of the
+        mailbox before, which must not be used by anyone once this returns."""
+        with self.lock:
+            self.box = box
+            self.sent.clear()
+            self.failed.clear()
+            self.failure = None
+            self.awaited, self.awaited_reply = 0, None
+
     def add(self, sent: Sent) -> None:
-        self.sent.append(sent)
+        with self.lock:
+            self.sent.append(sent)
 
     def add_failed(self, sent: Sent) -> None:
         """A call whose failure its caller raises itself (it waited for its reply, or was never
         sent): only its output word is left to write."""
-        bisect.insort(self.failed, sent, key=lambda s: s.call_id)
+        with self.lock:
+            bisect.insort(self.failed, sent, key=lambda s: s.call_id)
+
+    def await_reply(self, call_id: int) -> None:
+        """The reply of call_id is its caller's to take (wait_reply): it is kept when another
+        thread takes it (a reply already kept for it stays)."""
+        with self.lock:
+            if self.awaited != call_id:
+                self.awaited, self.awaited_reply = call_id, None
 
     def answer(self, reply: pb.CallReply) -> bool:
         """Takes a reply; False when it answers none of these calls."""
+        with self.lock:
+            return self._answer(reply)
+
+    def _answer(self, reply: pb.CallReply) -> bool:
         if self.sent and self.sent[0].call_id == reply.call_id:  # replies mostly come in call order
             sent = self.sent[0]
         else:
@@ -93,6 +127,9 @@ class Unanswered:
         if sent is None and reply.call_id == 0 and self.sent:  # a request that did not parse: the oldest
             sent = self.sent[0]
         if sent is None:
+            if self.awaited and reply.call_id in (self.awaited, 0):
+                self.awaited_reply = reply
+                return True
             return False
         if sent is self.sent[0]:
             self.sent.popleft()
@@ -106,10 +143,14 @@ class Unanswered:
                 self.failure = (sent.call_id, failure)
         return True
 
-    def release(self, box) -> None:
-        """Writes the output word for each failed call whose previous call's result is in
-        (`box`: the mailbox, proto.mailbox.Mailbox)."""
-        while self.failed:
+    def release(self) -> None:
+        """Writes the output word for each failed call whose previous call's result is in."""
+        with self.lock:
+            self._release()
+
+    def _release(self) -> None:
+        box = self.box
+        while self.failed and box is not None:
             seq = self.failed[0].seq
             word = box.output_word()
             if not reached(word, previous_seq(seq)):
@@ -118,40 +159,88 @@ class Unanswered:
                 box.set_output_word(seq)
             self.failed.pop(0)
 
-    def take(self, box) -> int:
+    def take(self) -> int:
         """Takes every reply on the mailbox's ring and releases what it can; returns how many came."""
+        with self.lock:
+            return self._take()
+
+    def _take(self) -> int:
         n = 0
-        while (raw := box.replies.pop()) is not None:
-            self.answer(pb.CallReply.FromString(raw))
+        while self.box is not None and (raw := self.box.replies.pop()) is not None:
+            self._answer(pb.CallReply.FromString(raw))
             n += 1
-        self.release(box)
+        self._release()
         return n
 
-    def collect(self, box, sleep, keep: int | None = None) -> None:
+    def collect(self, sleep, keep: int | None = None) -> None:
         """Takes the replies. keep=None: those that came; else waits until at most `keep` calls
         are unanswered. Raises the first failure among them once our GPU's wait for each failed
         call is released. sleep(box, bell_seq, timeout_us) waits for the next reply (and raises
         when the executor is gone)."""
         while True:
-            seq = box.reply_bell.seq()
-            got = self.take(box)
-            failure = self.take_failure()
+            with self.lock:
+                box = self.box
+                seq = box.reply_bell.seq()
+                got = self._take()
+                failure = self._take_failure()
+                done = not self.failed and (keep is None or len(self) <= keep)
+                failed = bool(self.failed)
             if failure is not None:
                 raise failure
-            if not self.failed and (keep is None or len(self) <= keep):
+            if done:
                 return
             if not got:  # a failed call waits for its predecessor's result, not for a reply
-                sleep(box, seq, RELEASE_POLL_US if self.failed else LIVENESS_SLICE_US)
+                sleep(box, seq, RELEASE_POLL_US if failed else LIVENESS_SLICE_US)
+
+    def wait_reply(self, call_id: int, sleep) -> pb.CallReply:
+        """Waits for the reply of a call that returns only with it (it is not one of these),
+        taking the others' replies meanwhile; sleep as for collect."""
+        self.await_reply(call_id)
+        while True:
+            with self.lock:
+                box = self.box
+                seq = box.reply_bell.seq()
+                while self.awaited_reply is None and (raw := box.replies.pop()) is not None:
+                    self._answer(pb.CallReply.FromString(raw))  # (False: a stale reply of an abandoned call)
+                reply, failed = self.awaited_reply, bool(self.failed)
+                if reply is not None:
+                    self.awaited, self.awaited_reply = 0, None
+                    return reply
+                self._release()  # (a failed earlier call's wait may hold this call's input back)
+            sleep(box, seq, RELEASE_POLL_US if failed else LIVENESS_SLICE_US)
 
     def take_failure(self) -> Exception | None:
         """The earliest call's failure, once every failed call is released (then forgotten)."""
+        with self.lock:
+            return self._take_failure()
+
+    def _take_failure(self) -> Exception | None:
         if self.failed or self.failure is None:
             return None
         (_, failure), self.failure = self.failure, None
         return failure
 
-    def abandon(self) -> None:
-        """Forgets everything (the executor is gone or the mailbox goes)."""
-        self.sent.clear()
-        self.failed.clear()
-        self.failure = None
+    def watch(self, seq: int, executor_alive) -> bool:
+        """The watchdog's look: when our GPU may still wait for the output word to reach `seq`,
+        takes the replies that came and releases failed calls; when the executor is gone or has
+        detached us (executor_alive() False), writes `seq` to the word, since no result comes
+        any more, and returns True."""
+        with self.lock:
+            box = self.box
+            if box is None or reached(box.output_word(), seq):
+                return False
+            try:
+                self._take()
+            except Exception:  # (a corrupt ring: the caller's next call meets it)
+                pass
+            if box.detached or not executor_alive():
+                box.set_output_word(seq)
+                return True
+            return False
+
+    def release_every(self, seq: int) -> None:
+        """Writes `seq` to the output word unless it has reached it (no result comes for the
+        calls up to it)."""
+        with self.lock:
+            if self.box is not None and not reached(self.box.output_word(), seq):
+                self.box.set_output_word(seq)
