@@ -1,4 +1,5 @@
-"""Builds the pybind11 extension `proto._doorbell` (csrc/doorbell.cpp); everything else is in pyproject.toml."""
+"""Builds the pybind11 extensions `proto._doorbell` (csrc/doorbell.cpp) and `proto._stream_ops`
+(csrc/stream_ops.cpp); everything else is in pyproject.toml."""
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -9,7 +10,14 @@ setup(
             ["csrc/doorbell.cpp"],
             cxx_std=17,
             extra_compile_args=["-O3"],
-        )
+        ),
+        Pybind11Extension(
+            "proto._stream_ops",
+            ["csrc/stream_ops.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+            libraries=["dl"],
+        ),
     ],
     cmdclass={"build_ext": build_ext},
 )

@@ -4,8 +4,10 @@ A call returns before its reply, so its host time is what gates a tenant whose h
 ahead of its GPU (decode). This times, on the executor's GPU (1 token x hidden 2048, bf16):
 a whole call through the transport (`t.call`) and through a shim (`q_proj(x)`), and each step
 a call makes, alone: building and serialising the request, finding the current stream, the
-copy into the mailbox, a word write and a word wait (driver calls through ctypes), the copy
-out, and a plain torch op for scale. Medians of host time; the GPU is synchronised only
+copy into the mailbox, a word write and a word wait, the copy out (each through the native
+extension csrc/stream_ops.cpp, and through its slow twins: torch's copies and ctypes), and a
+plain torch op for scale. The whole call is timed twice: with the native extension, and with
+it switched off (ctypes for the driver calls). Medians of host time; the GPU is synchronised only
 between rounds.
 
     python benchmarks/s6_call_pieces.py [--calls 2000]
@@ -43,7 +45,8 @@ def main() -> int:
     from client import connect, virtualize
     from proto import codec
     from proto import executor_pb2 as pb
-    from proto.cuda_ipc import map_host_words, stream_wait, stream_write
+    import proto.cuda_ipc as cuda_ipc
+    from proto.cuda_ipc import copy_async, map_host_words, stream_wait, stream_write
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
@@ -64,11 +67,17 @@ def main() -> int:
             def call():
                 t.call(UNIT, pb.FORWARD, x, shape, torch.bfloat16, pb.INFERENCE)
 
-            for _ in range(50):
-                call()
-            t.confirm()
-            rows["call through the transport (returns early)"] = host_us(call, a.calls)
-            t.confirm()
+            native = cuda_ipc._native
+            for name, ops in (("native", native), ("ctypes", None)):
+                cuda_ipc._native = ops
+                for _ in range(50):
+                    call()
+                t.confirm()
+                rows[f"call through the transport (returns early), {name}"] = host_us(call, a.calls)
+                t.confirm()
+            cuda_ipc._native = native
+            if native is None:
+                print("the native extension proto._stream_ops is not built or finds no driver: rows marked native are ctypes")
 
             from transformers import AutoModelForCausalLM
 
@@ -90,15 +99,23 @@ def main() -> int:
             rows["torch.cuda.current_stream(device)"] = host_us(lambda: torch.cuda.current_stream(dev), a.calls)
             rows["its raw handle: torch._C._cuda_getCurrentRawStream(index)"] = host_us(
                 lambda: torch._C._cuda_getCurrentRawStream(dev.index), a.calls)
-            area = t._gpu
+            order = t._order
+            area = order.region
             inp, out = area.view(0, shape, torch.bfloat16), area.view(8192, shape, torch.bfloat16)
-            rows["copy into the mailbox (copy_)"] = host_us(lambda: inp.copy_(x), a.calls)
-            rows["copy out of the mailbox (clone)"] = host_us(lambda: out.clone(), a.calls)
+            s = torch.cuda.current_stream(dev).cuda_stream
+            nbytes = x.numel() * x.element_size()
+            rows["copy into the mailbox, torch (copy_)"] = host_us(lambda: inp.copy_(x), a.calls)
+            rows["copy into the mailbox, native (cuMemcpyAsync)"] = host_us(lambda: copy_async(area.ptr, x.data_ptr(), nbytes, s), a.calls)
+            rows["copy out of the mailbox, torch (clone)"] = host_us(lambda: out.clone(), a.calls)
+            rows["copy out of the mailbox, native (empty + cuMemcpyAsync)"] = host_us(
+                lambda: order.copy_out(8192, shape, torch.bfloat16, s), a.calls)
             page = mmap.mmap(-1, mmap.PAGESIZE)
             word = map_host_words(dev, torch.frombuffer(page, dtype=torch.uint8).data_ptr(), mmap.PAGESIZE)
-            s = torch.cuda.current_stream(dev).cuda_stream
-            rows["word write (cuStreamWriteValue32, ctypes)"] = host_us(lambda: stream_write(s, word, 0), a.calls)
-            rows["word wait, already reached (cuStreamWaitValue32, ctypes)"] = host_us(lambda: stream_wait(s, word, 0), a.calls)
+            for name, ops in (("native", native), ("ctypes", None)):
+                cuda_ipc._native = ops
+                rows[f"word write (cuStreamWriteValue32), {name}"] = host_us(lambda: stream_write(s, word, 0), a.calls)
+                rows[f"word wait, already reached (cuStreamWaitValue32), {name}"] = host_us(lambda: stream_wait(s, word, 0), a.calls)
+            cuda_ipc._native = native
             rows["torch.add of one token (a plain op)"] = host_us(lambda: torch.add(x, 1), a.calls)
             conn.close()
         finally:

@@ -64,6 +64,7 @@ def _driver():
         lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
             fn = getattr(lib, name + "_v2", None) or getattr(lib, name)  # _v2 since CUDA 11.7
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
@@ -133,12 +134,51 @@ def map_host_words(device: torch.device, ptr: int, nbytes: int) -> int:
 def stream_write(stream: int, dptr: int, value: int) -> None:
     """Queues on `stream` a write of the 32-bit `value` to `dptr`, after a memory fence: when the
     word changes, everything the stream did before is visible."""
-    _check(_driver()._cuStreamWriteValue32(stream, dptr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+    if _native is not None:
+        _native.write_word(stream, dptr, value & 0xFFFFFFFF)
+    else:
+        _stream_write_ctypes(stream, dptr, value)
 
 
 def stream_wait(stream: int, dptr: int, value: int) -> None:
     """Queues on `stream` a wait until the word at `dptr` has reached `value` (cyclically)."""
+    if _native is not None:
+        _native.wait_word(stream, dptr, value & 0xFFFFFFFF)
+    else:
+        _stream_wait_ctypes(stream, dptr, value)
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queues on `stream` a copy of nbytes from device address src to dst (torch's copy_ of a
+    contiguous tensor, for a fraction of its host time)."""
+    if _native is not None:
+        _native.copy(dst, src, nbytes, stream)
+    else:
+        _copy_async_ctypes(dst, src, nbytes, stream)
+
+
+# the slow twins of the three above (csrc/stream_ops.cpp): used where the extension is not built
+def _stream_write_ctypes(stream: int, dptr: int, value: int) -> None:
+    _check(_driver()._cuStreamWriteValue32(stream, dptr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
+def _stream_wait_ctypes(stream: int, dptr: int, value: int) -> None:
     _check(_driver()._cuStreamWaitValue32(stream, dptr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def _copy_async_ctypes(dst: int, src: int, nbytes: int, stream: int) -> None:
+    _check(_driver().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def _load_native():
+    try:
+        from proto import _stream_ops
+    except ImportError:
+        return None
+    return _stream_ops if _stream_ops.available() else None
+
+
+_native = _load_native()  # proto._stream_ops, where it is built and the driver is there
 
 
 def reached(word: int, value: int) -> bool:

@@ -49,6 +49,7 @@ class Areas:
     stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
     awaiting: int = 0  # the input_seq queued on `stream` to wait for (0: none)
     warm: bool = False  # the data loop's GEMMs have run on `stream` once
+    checked: dict = dataclasses.field(default_factory=dict)  # call headers found valid for this data area (LocalServer._check)
 
     @property
     def data(self):
@@ -208,6 +209,11 @@ class AreaPool:
             for region in regions:
                 region.free()
             log.info("device mailboxes of process %d freed", owner[0])
+
+    def has_retired(self) -> bool:
+        """Whether any areas wait for release_retired() (a look without the lock: a race only
+        delays them to the next turn of the data loop)."""
+        return bool(self._retired)
 
     def any_waiting(self) -> bool:
         """Whether a retired area's stream may still wait for its tenant's input."""

@@ -132,13 +132,17 @@ class LocalTransport(Transport):
         box, order = self._box, self._order
         request.in_offset, request.out_offset = 0, in_bytes
         area = order.region if order is not None else box
+        direct = order is not None and x.device == order.device  # (else a copy from the host or a peer GPU)
         if order is not None:
             stream = order.current_stream()  # after a copy from a peer GPU, too
             order.follow(stream)
-        area.view(0, x.shape, x.dtype).copy_(x)
+        if direct:
+            order.copy_in(x, stream)
+        else:
+            area.view(0, x.shape, x.dtype).copy_(x)
         early = False  # whether the call returns before its reply
         if order is not None:
-            request.input_seq = order.input_in(stream, word=x.device == order.device)
+            request.input_seq = order.input_in(stream, word=direct)  # (a peer GPU's streams cannot write our words)
             early = bool(request.input_seq and order.out_word) and self.return_early
         seq = request.input_seq if order is not None and order.out_word else 0  # the output word tells when its result is in
         sent = tracked = False
@@ -157,9 +161,11 @@ class LocalTransport(Transport):
             elif not tracked:
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
-        if early:
-            y = order.region.view(request.out_offset, out_shape, out_dtype)
-            result = y.clone() if take is None else take(y)  # (queued behind the wait)
+        if early:  # (the copy out is queued behind the wait)
+            if take is None:
+                result = order.copy_out(request.out_offset, tuple(out_shape), out_dtype, stream)
+            else:
+                result = take(order.region.view(request.out_offset, out_shape, out_dtype))
             if len(self._unanswered) >= MAX_UNANSWERED:
                 self._collect(keep=MAX_UNANSWERED // 2)
             return result

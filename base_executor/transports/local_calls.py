@@ -1,0 +1,168 @@
+"""The calls of the same-host transport server (`local://NAME`): a request read from a tenant's
+ring becomes a core Call (its header checked against the served units and the tenant's data
+area), and a Result becomes the tenant's reply: the result in its mailbox, the output word
+written on the GPU for a same-GPU tenant, the reply on its ring, its doorbell rung. A mixin of
+LocalServer (transports/local.py), which owns the tenants and the data loop."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from base_executor.core import CallError, Result
+from base_executor.scheduler import Call
+from base_executor.transports.areas import Tenant
+from proto import codec, mailbox
+from proto.cuda_ipc import reached, stream_write
+from proto import executor_pb2 as pb
+
+log = logging.getLogger("base_executor")
+_OK = pb.Status(code=pb.OK)
+MAX_CHECKED = 1024  # call headers remembered as valid per tenant data area (LocalCalls._check)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Delivery:
+    """Where a call's result goes (its Call.tag)."""
+
+    tenant: Tenant
+    area: object  # the tenant's data area when the call was taken (a grow retires it)
+    out_offset: int
+    input_seq: int  # written to the mailbox's output word once the result is in place (0: none)
+    stream: object = None  # the stream that runs the call; None: the data loop's
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Told:
+    """One tenant's replies of a delivery, and how its GPU learns that their results are in."""
+
+    stream: object  # the stream that wrote the results
+    seq: int = 0  # the latest input_seq among the calls: written to the output word
+    event: bool = False  # some call had no input_seq: output_ready is recorded
+    replies: list = dataclasses.field(default_factory=list)
+
+
+class LocalCalls:
+    """Calls and replies of LocalServer; `self` is the LocalServer."""
+
+    def _to_call(self, t: Tenant, req: pb.CallRequest) -> Call:
+        if req.payload:
+            raise CallError(pb.INVALID_ARGUMENT, "local:// calls carry tensors in the mailbox, not in payload")
+        unit, in_shape, out_shape, dtype = self._check(t, req)
+        out_dtype = self.core.dtype
+        area = t.area
+        x = area.view(req.in_offset, in_shape, dtype)
+        out = None
+        if x.device != self.core.device:
+            x = x.to(self.core.device, non_blocking=bool(t.areas.pinned))  # a copy, DMA when page-locked
+        elif unit.kind == "embedding":
+            x = x.clone()  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
+        else:  # a call run alone writes straight into the output mailbox
+            out = area.view(req.out_offset, (in_shape[0], out_shape[-1]), out_dtype)
+        if unit.kind == "embedding":
+            self.core.check_ids(unit, x)
+        return Call(
+            tenant=t.id,
+            call_id=req.call_id,
+            unit=unit,
+            op=req.op,
+            x=x,
+            out_shape=out_shape,
+            latency=req.latency,
+            arrived=time.monotonic(),
+            tag=Delivery(t, area, req.out_offset, req.input_seq),
+            out=out,
+        )
+
+    def _check(self, t: Tenant, req: pb.CallRequest):
+        """Validates a call's header against the served units and t's data area: (unit, input
+        shape, output shape, input dtype) as ExecutorCore.check, or CallError. A tenant repeats a
+        few headers over and over (one per unit and shape): those found valid are remembered
+        for the data area (a grow makes a new one)."""
+        key = (req.unit, req.op, req.dtype, tuple(req.shape), req.in_offset, req.out_offset)
+        checked = t.areas.checked
+        found = checked.get(key)
+        if found is not None:
+            return found
+        unit, in_shape, out_shape, dtype = found = self.core.check(req.unit, req.op, req.dtype, req.shape)
+        out_dtype = self.core.dtype
+        in_bytes = codec.nbytes(in_shape, dtype)
+        out_bytes = codec.nbytes(out_shape, out_dtype)
+        cap = t.areas.data_bytes
+        if in_bytes + out_bytes > self.config.max_mailbox_bytes:
+            raise CallError(
+                pb.RESOURCE_EXHAUSTED,
+                f"call too large: input and output need {in_bytes + out_bytes} bytes, a mailbox may hold at most "
+                f"{self.config.max_mailbox_bytes} (--max-mailbox-mb)",
+            )
+        for what, off, size, item in (("input", req.in_offset, in_bytes, dtype.itemsize), ("output", req.out_offset, out_bytes, out_dtype.itemsize)):
+            if off % item:
+                raise CallError(pb.INVALID_ARGUMENT, f"{what} offset {off} is not aligned to {item} bytes")
+            if off + size > cap:
+                raise CallError(
+                    pb.INVALID_ARGUMENT,
+                    f"{what} bytes [{off}, {off + size}) lie outside the mailbox's data area of {cap} bytes (grow it first)",
+                )
+        if req.in_offset < req.out_offset + out_bytes and req.out_offset < req.in_offset + in_bytes:
+            raise CallError(pb.INVALID_ARGUMENT, f"input bytes at {req.in_offset} and output bytes at {req.out_offset} overlap")
+        if len(checked) >= MAX_CHECKED:
+            checked.clear()
+        checked[key] = found
+        return found
+
+    def _deliver(self, results: list[Result]) -> None:
+        told: dict[int, _Told] = {}  # by tenant id
+        with self.lock:
+            for r in results:
+                d = r.call.tag
+                t = d.tenant
+                if self.tenants.get(t.id) is not t or t.area is not d.area:
+                    continue  # detached or regrown mid-call: nobody to tell
+                try:
+                    reply = self._deliver_one(t, r, d.out_offset)
+                except Exception as e:  # one tenant's failed reply never stops the others'
+                    log.exception("delivering to tenant %d failed", t.id)
+                    self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
+                    continue
+                out = told.setdefault(t.id, _Told(d.stream or self._stream))
+                if d.input_seq and t.areas.out_word:
+                    # a failed call's word is the tenant's to write (client/transports/unanswered.py)
+                    if r.error is None and (not out.seq or reached(d.input_seq, out.seq)):
+                        out.seq = d.input_seq
+                else:
+                    out.event = True
+                out.replies.append(reply)
+            for tid, out in told.items():
+                t = self.tenants.get(tid)
+                if t is None:
+                    continue
+                # before any reply: the tenant's GPU (or its host, told by the reply) waits for our writes
+                if out.seq:
+                    stream_write(out.stream.cuda_stream, t.areas.out_word, out.seq)
+                if out.event and t.gpu is not None:
+                    t.gpu.output_ready.record(out.stream)
+                for reply in out.replies:
+                    self._push(t, reply)
+                t.box.reply_bell.ring()
+
+    def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> pb.CallReply:
+        """Writes r's result into t's mailbox (unless the GEMM wrote it there); returns its reply."""
+        if r.error is not None:
+            return pb.CallReply(call_id=r.call.call_id, status=r.error.status())
+        y = r.y
+        dest = t.area.view(out_offset, y.shape, y.dtype)
+        if dest.data_ptr() != y.data_ptr():  # not already written there by the GEMM
+            dest.copy_(y)
+        reply = pb.CallReply(
+            call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape), out_offset=out_offset
+        )
+        return reply
+
+    def _reply_error(self, t: Tenant, call_id: int, err: CallError) -> None:
+        self._push(t, pb.CallReply(call_id=call_id, status=err.status()))
+        if t.id in self.tenants:
+            t.box.reply_bell.ring()
+
+    def _push(self, t: Tenant, reply: pb.CallReply) -> None:
+        if t.id in self.tenants and not t.box.replies.push(reply.SerializeToString()):
+            self._reclaim(t, f"reply ring full: the tenant has not read its last {mailbox.RING_SLOTS} replies")

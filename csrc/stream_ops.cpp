@@ -1,0 +1,126 @@
+// proto._stream_ops: the CUDA driver calls of a same-GPU call, each queued on a stream for a
+// fraction of a microsecond of host time (through ctypes a driver call costs ~3.5 us, and a
+// torch copy_ or clone ~10 us: benchmarks/RESULTS.md, "S6 pieces").
+//
+//   copy(dst, src, nbytes, stream)        cuMemcpyAsync between two device (or mapped) addresses
+//   write_word(stream, address, value)    cuStreamWriteValue32: the word becomes value, after
+//                                         everything queued on the stream before it
+//   wait_word(stream, address, value)     cuStreamWaitValue32, GEQ: the stream waits until
+//                                         (int32)(word - value) >= 0, a cyclic comparison
+//
+// The driver (libcuda.so.1) is opened at first use, so the module builds and imports on machines
+// without CUDA; available() says whether it could be opened. The GIL is released around each
+// driver call: a call that blocks (a full stream queue) never stops the tenant's other threads.
+// The slow twin of each is in proto/cuda_ipc.py (ctypes).
+
+#include <pybind11/pybind11.h>
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+using CUresult = int;
+using CUstream = void*;
+using CUdeviceptr = unsigned long long;
+
+struct Driver {
+  CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  std::string why;  // why the driver could not be opened; empty when it was
+};
+
+template <typename F>
+bool resolve(void* lib, F& fn, const char* name, const char* fallback = nullptr) {
+  void* p = dlsym(lib, name);
+  if (p == nullptr && fallback != nullptr) p = dlsym(lib, fallback);
+  fn = reinterpret_cast<F>(p);
+  return p != nullptr;
+}
+
+const Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* e = dlerror();
+      d.why = std::string("libcuda.so.1 could not be opened: ") + (e ? e : "?");
+      return;
+    }
+    // the _v2 stream memory operations exist since CUDA 11.7; the first ones before
+    bool ok = resolve(lib, d.memcpy_async, "cuMemcpyAsync") &&
+              resolve(lib, d.write_value32, "cuStreamWriteValue32_v2", "cuStreamWriteValue32") &&
+              resolve(lib, d.wait_value32, "cuStreamWaitValue32_v2", "cuStreamWaitValue32") &&
+              resolve(lib, d.error_string, "cuGetErrorString");
+    if (!ok) d.why = "libcuda.so.1 lacks a driver function symbiont needs (a driver older than CUDA 11.7?)";
+  });
+  if (!d.why.empty()) throw std::runtime_error(d.why);
+  return d;
+}
+
+void check(CUresult rc, const char* what) {
+  if (rc == 0) return;
+  const char* msg = nullptr;
+  driver().error_string(rc, &msg);
+  throw std::runtime_error(std::string(what) + " failed: CUDA error " + std::to_string(rc) + " (" + (msg ? msg : "?") + ")");
+}
+
+CUstream as_stream(uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
+
+void copy(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+  const Driver& d = driver();
+  CUresult rc;
+  {
+    py::gil_scoped_release release;
+    rc = d.memcpy_async(dst, src, nbytes, as_stream(stream));
+  }
+  check(rc, "cuMemcpyAsync");
+}
+
+void write_word(uintptr_t stream, uintptr_t address, uint32_t value) {
+  const Driver& d = driver();
+  CUresult rc;
+  {
+    py::gil_scoped_release release;
+    rc = d.write_value32(as_stream(stream), address, value, 0);
+  }
+  check(rc, "cuStreamWriteValue32");
+}
+
+void wait_word(uintptr_t stream, uintptr_t address, uint32_t value) {
+  const Driver& d = driver();
+  CUresult rc;
+  {
+    py::gil_scoped_release release;
+    rc = d.wait_value32(as_stream(stream), address, value, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+  }
+  check(rc, "cuStreamWaitValue32");
+}
+
+bool available() {
+  try {
+    driver();
+    return true;
+  } catch (const std::runtime_error&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_stream_ops, m) {
+  m.doc() = "CUDA driver stream operations for symbiont's same-GPU calls (copy, word write, word wait).";
+  m.def("available", &available, "Whether the CUDA driver could be opened.");
+  m.def("copy", &copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
+  m.def("write_word", &write_word, py::arg("stream"), py::arg("address"), py::arg("value"));
+  m.def("wait_word", &wait_word, py::arg("stream"), py::arg("address"), py::arg("value"));
+}
