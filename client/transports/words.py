@@ -23,7 +23,6 @@ import weakref
 import torch
 
 from client.transports.unanswered import RELEASE_POLL_US, Unanswered
-from proto import codec
 from proto.cuda_ipc import OpenedRegion, copy_async, stream_wait, stream_write
 
 WATCH_S = 0.05  # the watchdog's period
@@ -72,13 +71,6 @@ class StreamOrder:
         """Queues the copy of x (contiguous, on our GPU) to the start of the data area on `stream`
         (x.copy_ for a fraction of its host time: csrc/stream_ops.cpp)."""
         copy_async(self.region.ptr, x.data_ptr(), x.numel() * x.element_size(), stream)
-
-    def copy_out(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, stream: int) -> torch.Tensor:
-        """A fresh tensor on our GPU with the result at `offset` of the data area, copied on
-        `stream` (the current stream, which the new tensor's memory belongs to)."""
-        y = torch.empty(shape, dtype=dtype, device=self.device)
-        copy_async(y.data_ptr(), self.region.ptr + offset, codec.nbytes(shape, dtype), stream)
-        return y
 
     def input_in(self, stream: int, word: bool = True) -> int:
         """Marks the input copied in so far on `stream` as complete: writes the next input_seq to
