@@ -1,7 +1,8 @@
 """The unit table: every frozen Linear, GPT-2 Conv1D, Embedding and lm_head of the served model,
 keyed by module path, tied weights deduplicated, plus one group unit per set of sibling Linears that
-read the same input (q/k/v, gate/up), so a tenant can make one call for all of them; and the
-skeleton a tenant builds its model from."""
+read the same input (q/k/v, gate/up), so a tenant can make one call for all of them, and one
+MLP unit per gated MLP block (down(act(gate(x)) * up(x))), so a tenant whose MLP has no adapter
+makes one call for the whole block; and the skeleton a tenant builds its model from."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,9 @@ from torch import nn
 from proto import executor_pb2 as pb
 from proto.codec import dtype_enum
 from proto.fingerprint import fingerprint
+from proto.gated_mlp import CHILDREN, is_gated_mlp
 
-LINEAR, CONV1D, EMBEDDING = "linear", "conv1d", "embedding"
+LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
 
 # Sibling Linear modules under one parent that read the same input, by the names transformers
 # gives them. Phi-3 (qkv_proj, gate_up_proj), GPT-2 (c_attn), Falcon and GPT-NeoX come fused.
@@ -59,6 +61,7 @@ class Unit:
     members: tuple["Unit", ...] = ()  # a group unit: its members, whose weights are row slices of its own
     group: str = ""  # a member unit: its group's id
     rows: tuple[int, int] = (0, 0)  # a member unit: its rows [a, b) of the group's weight
+    act: nn.Module | None = None  # an MLP unit: its activation; its members are (gate/up group, down)
 
     def info(self) -> pb.UnitInfo:
         return pb.UnitInfo(
@@ -114,6 +117,9 @@ class UnitTable:
                 self._unit_param_names.add(f"{path}.{pname}")
         for members in sibling_sets(self.units.values()):
             self._add_group(model, members)
+        for path, module in model.named_modules():
+            if is_gated_mlp(module):
+                self._add_mlp(path, module)
 
     def _add_group(self, model: nn.Module, members: list[Unit]) -> None:
         """A group unit over `members`: its weight is theirs stacked, [sum of out, in]; theirs
@@ -144,6 +150,24 @@ class UnitTable:
                 module.bias.data = m.bias
         self.units[group.id] = group
 
+    def _add_mlp(self, path: str, module: nn.Module) -> None:
+        """An MLP unit for a gated MLP block whose gate/up siblings make a group, when a probe shows
+        the unit's forward (runner.run) equal to the block's own."""
+        from base_executor import runner
+
+        gate, up, down = (self.units.get(f"{path}.{n}") for n in CHILDREN)
+        pair = gate and self.units.get(gate.group)
+        if pair is None or down is None or pair.members != (gate, up) or down.tied_to:
+            return
+        unit = Unit(id=path, kind=MLP, weight=None, bias=None, in_features=down.out_features, out_features=down.out_features,
+                    members=(pair, down), act=module.act_fn)
+        unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}"
+        x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
+        with torch.no_grad():
+            if not torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), module(x)):
+                return
+        self.units[path] = unit
+
     def __len__(self) -> int:
         return len(self.units)
 
@@ -153,13 +177,13 @@ class UnitTable:
     def to(self, device: torch.device) -> "UnitTable":
         moved: dict[int, torch.Tensor] = {}
         for u in self.units.values():
-            if u.group:  # moved with its group, below
+            if u.group or u.kind == MLP:  # moved with its group, below; an MLP unit holds only units
                 continue
             u.weight = moved.setdefault(id(u.weight), u.weight.to(device))
             if u.bias is not None:
                 u.bias = u.bias.to(device)
         for u in self.units.values():
-            if u.members:
+            if u.members and u.kind != MLP:
                 _point_members(u)
         return self
 
@@ -169,7 +193,7 @@ class UnitTable:
     def parameter_count(self) -> int:
         seen, n = set(), 0
         for u in self.units.values():
-            if u.group:  # its tensors are slices of its group's
+            if u.group or u.kind == MLP:  # its tensors are slices of its group's, or its members'
                 continue
             for t in (u.weight, u.bias):
                 if t is not None and id(t) not in seen:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from base_executor import runner
-from base_executor.catalog import EMBEDDING, Unit, UnitTable
+from base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
 from base_executor.scheduler import Call, Scheduler, SchedulerConfig
 from proto import executor_pb2 as pb
 from proto.codec import NAME_OF, TORCH_OF
@@ -90,8 +90,13 @@ class ExecutorCore:
                 f"unit {unit_id!r} is served in {NAME_OF[self.dtype]}, got {NAME_OF.get(dtype, f'dtype enum {dtype_enum}')}",
             )
         d_in, d_out = (unit.out_features, unit.in_features) if op == pb.BACKWARD else (unit.in_features, unit.out_features)
+        what = "grad_y" if op == pb.BACKWARD else "x"
+        if unit.kind == MLP:
+            if op == pb.FORWARD_NO_BIAS:
+                raise CallError(pb.INVALID_ARGUMENT, f"MLP unit {unit_id!r} supports FORWARD and BACKWARD only")
+            if op == pb.BACKWARD:  # the input again beside grad_y: the block is recomputed here
+                d_in, what = unit.in_features + unit.out_features, "[x, grad_y]"
         if shape[-1] != d_in:
-            what = "grad_y" if op == pb.BACKWARD else "x"
             raise CallError(
                 pb.SHAPE_MISMATCH,
                 f"{pb.Op.Name(op)} of {unit_id!r} needs {what} with last dimension {d_in}, got shape {list(shape)}",

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, Unit
+from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, Unit
 from proto import executor_pb2 as pb
 
 
 def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; embedding: ids [tokens]).
+    """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; MLP BACKWARD: [x, grad_y] side by
+    side, [tokens, 2 * hidden]; embedding: ids [tokens]).
     out: None, or [tokens, d_out] where a linear or conv1d result is written (a tenant's output
     mailbox: no copy afterwards); the result is returned either way.
 
@@ -38,7 +39,28 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
             return torch.mm(x, w, out=out)
         if op == pb.BACKWARD:
             return torch.mm(x, w.t(), out=out)  # [tokens, out] @ [out, in]
+    elif unit.kind == MLP:
+        return _mlp(unit, op, x, exact, out)
     elif unit.kind == EMBEDDING:
         if op == pb.FORWARD:
             return F.embedding(x, w, unit.padding_idx)
     raise ValueError(f"unit {unit.id} ({unit.kind}) does not support {pb.Op.Name(op)}")
+
+
+def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """A gated MLP block, down(act(gate(x)) * up(x)), with the ops its module uses (forward is
+    bitwise the module's with `exact`). BACKWARD recomputes the block from x (nothing is kept
+    between calls) and returns grad_x = [grad_gate, grad_up] W_gate_up."""
+    pair, down = unit.members
+    width = pair.members[0].out_features  # [tokens, 2 * intermediate]: gate's columns, then up's
+    if op == pb.FORWARD:
+        gate, up = run(pair, pb.FORWARD, x, exact).split(width, dim=-1)
+        return run(down, pb.FORWARD, unit.act(gate) * up, exact, out)
+    if op == pb.BACKWARD:
+        x, grad_y = x.split(unit.in_features, dim=-1)  # each [tokens, hidden]
+        with torch.enable_grad():
+            gate, up = (h.detach().requires_grad_() for h in run(pair, pb.FORWARD, x, exact).split(width, dim=-1))
+            a = unit.act(gate) * up
+        grad_gate, grad_up = torch.autograd.grad(a, (gate, up), run(down, pb.BACKWARD, grad_y))
+        return run(pair, pb.BACKWARD, torch.cat([grad_gate, grad_up], dim=-1), out=out)
+    raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")

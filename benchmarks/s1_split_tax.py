@@ -9,7 +9,8 @@ the unsplit model and the tenant back to back; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
 executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
 `--profile SECONDS` samples both processes with py-spy per scenario; `--torch-profile` runs each
-scenario once per model under torch.profiler.
+scenario once per model under torch.profiler. `--compare-whole-mlp` times a third model in the
+same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -56,6 +57,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="timed repetitions per scenario (after 2 warm-ups)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--no-fuse", action="store_true", help="one remote call per unit (no sibling fusion)")
+    p.add_argument("--compare-whole-mlp", action="store_true",
+                   help="also time the tenant with whole-MLP calls off, side by side (key 'per-linear MLP')")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -86,8 +89,11 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         models = {"unsplit": base, "symbiont": virt}
+        if a.compare_whole_mlp:
+            models["per-linear MLP"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse, whole_mlp=False)
         results: dict[str, dict[str, float]] = {}
         calls: dict[str, float] = {}
+        calls_off: dict[str, float] = {}  # with whole-MLP calls off
 
         def profile(name, run_symbiont):
             """py-spy samples the tenant and the executor while the symbiont side repeats `name`."""
@@ -119,12 +125,12 @@ def main() -> int:
             times = {k: [] for k in models}
             for i in range(a.steps + 2):
                 for k, m in models.items():
-                    before = conn.stats().calls if k == "symbiont" else 0
+                    before = conn.stats().calls if k != "unsplit" else 0
                     t = timed(lambda: run_one(m))
                     if i >= 2:
                         times[k].append(t)
-                        if k == "symbiont":
-                            calls[name] = conn.stats().calls - before
+                        if k != "unsplit":
+                            (calls if k == "symbiont" else calls_off)[name] = conn.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
             if a.profile:
                 profile(name, lambda: run_one(models["symbiont"]))
@@ -134,6 +140,9 @@ def main() -> int:
             r = results[name]
             print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
                   f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)
+            if "per-linear MLP" in r:
+                print(f"{'':10s} per-linear MLP {r['per-linear MLP'] * 1e3:9.2f} ms  "
+                      f"ratio {r['per-linear MLP'] / r['unsplit']:.3f}  calls {calls_off[name]:.0f}", flush=True)
 
         torch.manual_seed(0)
         vocab = base.config.vocab_size
@@ -152,7 +161,7 @@ def main() -> int:
             m.train()
 
         def step(m):
-            k = "symbiont" if m is models["symbiont"] else "unsplit"
+            k = next(k for k, model in models.items() if model is m)
             m(input_ids=batch, labels=batch).loss.backward()
             opts[k].step()
             opts[k].zero_grad(set_to_none=True)
@@ -165,7 +174,7 @@ def main() -> int:
     out = {
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
         "wait_replies": a.wait_replies, "serve_args": a.serve_args,
-        "seconds": results, "symbiont_calls": calls,
+        "seconds": results, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "overhead_per_call_us": {
             k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
@@ -181,6 +190,12 @@ def main() -> int:
         v = results[k]
         print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
               f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}")
+    if a.compare_whole_mlp:
+        print("with whole-MLP calls off:")
+        for k in ("finetune", "decode", "prefill"):
+            v = results[k]
+            print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['per-linear MLP'] * 1e3:12.2f} {v['per-linear MLP'] / v['unsplit']:7.3f} "
+                  f"{goals[k]:6.2f} {calls_off[k]:7.0f}")
     return 0
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from client.errors import ModelMismatchError
 from client.fusion import fuse_siblings
 from client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
+from client.whole_mlp import serve_whole_mlps
 from proto import codec
 from proto.fingerprint import fingerprint
 
@@ -96,11 +97,15 @@ def _confirming(transport):
     return hook
 
 
-def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True) -> nn.Module:
+def virtualize(
+    model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True, whole_mlp: bool = True
+) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
     With `fuse`, sibling units that read the same input (q/k/v, gate/up) share one call forward
-    and one backward (client/fusion.py); fuse=False makes one call per unit.
+    and one backward (client/fusion.py); fuse=False makes one call per unit. With `whole_mlp`, a
+    gated MLP block (Llama, Mistral, Qwen2, Gemma) none of whose Linears has an adapter is one
+    call forward and one backward (client/whole_mlp.py), when the executor serves it so.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -126,7 +131,7 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
 
     plan = []
     for unit in catalog.units:
-        if unit.members:  # a group of sibling units: no module of its own
+        if unit.members:  # a group of sibling units or an MLP block: no weights of its own
             continue
         found = [(n, m) for n, m in by_unit.get(unit.id, []) if m.__dict__.get("_parameters", {}).get("weight") is not None]
         if not found:
@@ -157,6 +162,8 @@ def virtualize(model: nn.Module, executor="local://symbiont", *, check_weights: 
         setattr(parent, attr, shim)
     if fuse:
         fuse_siblings([u for u in catalog.units if u.members], shims)
+    if whole_mlp:
+        serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transport))
     del plan, shims

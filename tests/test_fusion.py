@@ -12,7 +12,8 @@ from torch import nn
 from base_executor import runner
 from base_executor.catalog import UnitTable
 from base_executor.models import build_builtin
-from client import connect, virtualize
+from client import connect
+from client import virtualize as _virtualize
 from client.fusion import WASTE_LIMIT
 from proto import executor_pb2 as pb
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads
@@ -20,6 +21,11 @@ from tests.models import assert_grads_close, enable_checkpointing, ids, lora_gra
 LAYERS = 2  # of every tiny model
 QKV, GATE_UP = "self_attn.{q_proj,k_proj,v_proj}", "mlp.{gate_proj,up_proj}"
 MEMBERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def virtualize(model, executor, **kw):
+    """Fusion alone: a whole-MLP call (tests/test_whole_mlp.py) would take gate/up's calls."""
+    return _virtualize(model, executor, whole_mlp=False, **kw)
 
 
 def calls_by_unit(observer) -> collections.Counter:
@@ -66,7 +72,7 @@ def _lora(base, targets):
 def test_group_units_share_their_members_memory():
     for name, bias in [("tiny-llama", False), ("tiny-qwen2", True)]:
         table = UnitTable(build_builtin(name))
-        groups = [u for u in table.units.values() if u.members]
+        groups = [u for u in table.units.values() if u.members and u.kind == "linear"]  # (MLP units: test_whole_mlp)
         assert sorted(g.id for g in groups) == sorted(f"model.layers.{i}.{g}" for i in range(LAYERS) for g in (QKV, GATE_UP))
         qkv = table.get(f"model.layers.0.{QKV}")
         assert list(qkv.info().members) == [f"model.layers.0.self_attn.{n}_proj" for n in "qkv"]
@@ -82,7 +88,7 @@ def test_group_units_share_their_members_memory():
                 assert m.weight._base is g.weight and m.weight.device.type == "meta"
                 assert m.bias is None if g.bias is None else m.bias._base is g.bias
     for name in ("tiny-phi3", "tiny-gpt2"):  # they come fused (qkv_proj, gate_up_proj, c_attn)
-        assert not any(u.members for u in UnitTable(build_builtin(name)).units.values())
+        assert not any(u.members for u in UnitTable(build_builtin(name)).units.values() if u.kind == "linear")
 
 
 def test_siblings_by_convention():
@@ -96,7 +102,7 @@ def test_siblings_by_convention():
         "mlp": block(gate_proj=(8, 16, False), up_proj=(6, 16, False), fc1=(8, 8, False), fc2=(8, 8, False)),
     })
     table = UnitTable(model)
-    groups = {u.id: [m.id for m in u.members] for u in table.units.values() if u.members}
+    groups = {u.id: [m.id for m in u.members] for u in table.units.values() if u.members and u.kind == "linear"}
     assert groups == {
         "self_attn.{q_proj,k_proj,v_proj}": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
         "encoder_attn.{k_proj,v_proj}": ["encoder_attn.k_proj", "encoder_attn.v_proj"],

@@ -4,6 +4,7 @@ stats, health. A mixin of LocalServer (transports/local.py), which owns the tena
 areas and the data loop; nothing here touches the scheduler."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -21,11 +22,30 @@ _OK = pb.Status(code=pb.OK)
 
 
 def rss_anon_bytes() -> int:
+    """The process's private resident memory, after the C heap has handed its free pages back
+    (transient buffers, a whole-MLP call's for one, would otherwise count as held)."""
+    _trim_heap()
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): returns the free pages of every malloc arena to the OS (a no-op
+    elsewhere). Runs on stats requests only."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 class LocalControl:

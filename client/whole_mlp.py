@@ -1,0 +1,104 @@
+"""Whole-MLP calls: one remote call for a gated MLP block (proto/gated_mlp.py) while none of its
+Linears has an adapter, instead of one for gate/up and one for down.
+
+The executor advertises an MLP unit per gated block it serves. virtualize() makes each such block
+of the tenant's model an instance of a subclass of its class whose forward calls the unit; its
+gate/up/down shims stay its children, so PEFT still finds and wraps them. The moment one of them
+is wrapped (an adapter), or torch.compile traces, the block runs its own forward again: one call
+per (fused) Linear. Forward is the block's own ops at the executor. Backward sends the block's
+input beside grad_y, and the executor recomputes the block (it keeps nothing between calls); the
+tenant keeps only the input, where the unsplit block keeps its gate, up and activation outputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing
+from proto import executor_pb2 as pb
+from proto.gated_mlp import CHILDREN, is_gated_mlp
+
+
+class MlpUnit(UnitRef):
+    """The MLP unit of one block, and the shims of the block's Linears that it stands for."""
+
+    def __init__(self, unit: pb.UnitInfo, members: tuple[VirtLayer, ...]):
+        self.unit_id = unit.id
+        self.transport = members[0].transport
+        self._kind = unit.kind
+        self._d_in, self._d_out = unit.in_features, unit.out_features
+        self._dtype = members[0]._dtype
+        self.members = members  # gate_proj, up_proj, down_proj
+        self._register()
+
+    def _out_shape(self, shape, op) -> tuple[int, ...]:
+        return tuple(shape[:-1]) + (self._d_out,)  # (BACKWARD: [x, grad_y] in, grad_x out)
+
+    def serves(self, block: nn.Module, x: torch.Tensor) -> bool:
+        """Whether a call of the whole block stands for block(x) now: its Linears are still the
+        plain shims (no adapter wraps one), nothing traces, x is what the unit takes."""
+        modules = block._modules
+        return (
+            all(modules.get(name) is m for name, m in zip(CHILDREN, self.members))
+            and not tracing()
+            and x.dtype == self._dtype
+            and x.dim() > 0
+            and x.shape[-1] == self._d_in
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if records(x):
+            return _MlpCall.apply(x, self._shim_id)
+        return self._remote(x, pb.FORWARD)
+
+
+class _MlpCall(torch.autograd.Function):
+    """FORWARD of an MLP unit; backward sends [x, grad_y] and gets grad_x (the executor
+    recomputes the block)."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        ctx.save_for_backward(x)
+        return _SHIMS[unit]._remote(x, pb.FORWARD)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return _SHIMS[ctx.unit]._remote(torch.cat([x, grad], dim=-1), pb.BACKWARD), None
+
+
+class VirtMLP:
+    """Mixin placed first in a served block's class: calls the MLP unit while it may."""
+
+    _whole: MlpUnit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._whole.serves(self, x):
+            return self._whole.forward(x)
+        return super().forward(x)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def serve_whole_mlps(units: list[pb.UnitInfo], root: nn.Module, shims: dict[str, VirtLayer]) -> int:
+    """Makes each block the executor serves as an MLP unit call it whole (module docstring), where
+    the tenant's block is a gated MLP whose Linears are the shims of the unit's members. Returns
+    how many blocks do."""
+    n = 0
+    for unit in units:
+        try:
+            block = root.get_submodule(unit.id)
+        except AttributeError:
+            continue
+        members = tuple(shims.get(f"{unit.id}.{name}") for name in CHILDREN)
+        if not is_gated_mlp(block) or any(m is None or block._modules.get(name) is not m for name, m in zip(CHILDREN, members)):
+            continue
+        cls = type(block)
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Virt{cls.__name__}", (VirtMLP, cls), {"__module__": __name__})
+        block.__class__ = _CLASSES[cls]
+        block._whole = MlpUnit(unit, members)
+        n += 1
+    return n

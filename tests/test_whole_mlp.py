@@ -1,0 +1,161 @@
+"""Whole-MLP calls: a gated MLP block none of whose Linears has an adapter is one call forward and
+one backward (the executor recomputes it), with the per-Linear results: logits bitwise, greedy
+tokens, LoRA gradients; a block whose Linear gets an adapter goes back to per-Linear calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from base_executor import runner
+from base_executor.catalog import UnitTable
+from base_executor.models import build_builtin
+from client import virtualize
+from proto import executor_pb2 as pb
+from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads, lora_model
+from tests.test_fusion import GATE_UP, LAYERS, QKV, CallCount, _lora
+
+MLP = "mlp"  # the suffix of an MLP unit's id (model.layers.N.mlp)
+
+
+# ---- the executor's side: MLP units ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
+def test_mlp_unit_is_the_block(name):
+    model = build_builtin(name)
+    table = UnitTable(model)
+    units = [u for u in table.units.values() if u.kind == "mlp"]
+    assert [u.id for u in units] == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
+    assert [m.id for m in units[0].members] == [f"model.layers.0.{GATE_UP}", "model.layers.0.mlp.down_proj"]
+    before = table.parameter_count()
+    block = model.model.layers[1].mlp
+    unit = table.get("model.layers.1.mlp")
+    for tokens in (1, 5, 33):
+        x = torch.randn(tokens, 64, requires_grad=True)
+        y = block(x)
+        assert torch.equal(runner.run(unit, pb.FORWARD, x.detach(), exact=True), y)
+        grad_y = torch.randn_like(y)
+        (want,) = torch.autograd.grad(y, x, grad_y)
+        got = runner.run(unit, pb.BACKWARD, torch.cat([x.detach(), grad_y], -1))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    table.to(torch.device("meta"))
+    assert table.parameter_count() == before  # an MLP unit holds no weights of its own
+
+
+def test_no_mlp_unit_for_other_blocks():
+    for name in ("tiny-gpt2", "tiny-phi3"):  # not gated this way, or gate/up come fused
+        assert not [u for u in UnitTable(build_builtin(name)).units.values() if u.kind == "mlp"]
+
+
+def test_mlp_unit_checks_its_calls(executor):
+    from client import connect
+    from client.errors import InvalidCallError, ShapeMismatchError
+
+    conn = connect(executor.url)
+    try:
+        conn.ensure_attached("cpu")
+        t = conn.transport
+        x = torch.randn(3, 64)
+        with pytest.raises(ShapeMismatchError, match=r"\[x, grad_y\]"):  # backward takes x beside grad_y
+            t.call("model.layers.0.mlp", pb.BACKWARD, x, (3, 64), torch.float32, pb.TRAINING)
+        with pytest.raises(InvalidCallError, match="FORWARD and BACKWARD only"):
+            t.call("model.layers.0.mlp", pb.FORWARD_NO_BIAS, x, (3, 64), torch.float32, pb.TRAINING)
+        y = t.call("model.layers.0.mlp", pb.FORWARD, x, (3, 64), torch.float32, pb.TRAINING)
+        with torch.no_grad():
+            assert torch.equal(y, build_builtin("tiny-llama").model.layers[0].mlp(x))
+    finally:
+        conn.close()
+
+
+# ---- the tenant's side -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma2"])
+def test_three_calls_per_layer_same_logits(executor_for, name):
+    ex = executor_for(name)
+    ref = build_builtin(name)
+    virt = virtualize(build_builtin(name), ex.url)
+    x = ids(2, 17)
+    with torch.no_grad():
+        want = ref(x).logits
+        with CallCount(ex.url) as count:
+            got = virt(x).logits
+    assert torch.equal(got, want)
+    assert count.total() == 3 * LAYERS + 2 and count.of(MLP) == LAYERS and count.of(GATE_UP) == 0, count.calls
+    block = virt.model.layers[0].mlp
+    assert type(block).__name__.startswith("Virt") and isinstance(block, type(ref.model.layers[0].mlp))
+
+
+def test_lora_on_attention_one_backward_per_block(executor):
+    ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)  # q_proj, v_proj
+    x = ids(2, 10, seed=5)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
+    for step in range(2):
+        for m, opt in zip((ref, virt), opts):
+            opt.zero_grad()
+            with CallCount(executor.url) as count:
+                m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
+        # forward: qkv, o, mlp per layer + embedding and lm_head; backward: the same but the
+        # embedding's and layer 0's qkv (its input, the embedding output, needs no gradient)
+        assert count.of(MLP) == 2 * LAYERS and count.of(GATE_UP) == 0 and count.of("down_proj") == 0, count.calls
+        assert count.total() == (3 * LAYERS + 2) + (3 * LAYERS - 1 + 1), count.calls
+        for opt in opts:
+            opt.step()
+
+
+@pytest.mark.parametrize("order", ["after_peft", "before_peft"])
+def test_block_with_an_adapter_calls_per_linear(executor, order):
+    targets = ["q_proj", "v_proj", "up_proj"]
+    ref = _lora(build_builtin("tiny-llama"), targets)
+    if order == "after_peft":
+        virt = virtualize(_lora(build_builtin("tiny-llama"), targets), executor.url)
+    else:
+        virt = _lora(virtualize(build_builtin("tiny-llama"), executor.url), targets)
+    x = ids(2, 10, seed=6)
+    ref(input_ids=x, labels=x).loss.backward()
+    with CallCount(executor.url) as count:
+        virt(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    assert count.of(MLP) == 0 and count.of(GATE_UP) == 2 * LAYERS, count.calls  # up_proj has an adapter
+
+
+def test_adapter_added_later_and_disabled(executor):
+    """A block turns to per-Linear calls the moment PEFT wraps one of its Linears, and computes
+    the same with the adapter disabled."""
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    x = ids(1, 7)
+    with torch.no_grad():
+        assert torch.equal(virt(x).logits, ref(x).logits)
+    ref, virt = _lora(ref, ["down_proj"]), _lora(virt, ["down_proj"])
+    with torch.no_grad(), CallCount(executor.url) as count:
+        assert torch.equal(virt(x).logits, ref(x).logits)
+        with virt.disable_adapter(), ref.disable_adapter():
+            assert torch.equal(virt(x).logits, ref(x).logits)
+    assert count.of(MLP) == 0 and count.of("down_proj") == 2 * LAYERS, count.calls
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(executor, reentrant):
+    models = [lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)]
+    x = ids(2, 11, seed=8)
+    for m in models:
+        enable_checkpointing(m, reentrant)
+    models[0](input_ids=x, labels=x).loss.backward()
+    with CallCount(executor.url) as count:
+        models[1](input_ids=x, labels=x).loss.backward()
+    assert count.of(MLP) > 2 * LAYERS and count.of(GATE_UP) == 0, count.calls  # the recomputed forward too
+    assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
+
+
+def test_generate_and_off_switch(executor):
+    ref = build_builtin("tiny-llama")
+    prompt = ids(1, 6, seed=3)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    want = ref.generate(prompt, **kw)
+    for whole in (True, False):
+        virt = virtualize(build_builtin("tiny-llama"), executor.url, whole_mlp=whole)
+        with CallCount(executor.url) as count:
+            assert torch.equal(virt.generate(prompt, **kw), want)
+        assert count.of(MLP) == (10 * LAYERS if whole else 0), count.calls
+        assert count.of(GATE_UP) == (0 if whole else 10 * LAYERS) and count.of(QKV) == 10 * LAYERS, count.calls
