@@ -104,12 +104,12 @@ def main() -> int:
             s = torch.cuda.current_stream(dev).cuda_stream
             nbytes = x.numel() * x.element_size()
             rows["copy into the mailbox, torch (copy_)"] = host_us(lambda: inp.copy_(x), a.calls)
-            rows["copy into the mailbox, native (cuMemcpyAsync)"] = host_us(lambda: copy_async(area.ptr, x.data_ptr(), nbytes, s), a.calls)
+            rows["copy into the mailbox, native (cuMemcpyAsync)"] = host_us(lambda: copy_async(area.ptr, x.data_ptr(), nbytes, s, dev), a.calls)
             rows["copy out of the mailbox, torch (clone)"] = host_us(lambda: out.clone(), a.calls)
 
             def empty_and_copy():
                 y = torch.empty(shape, dtype=torch.bfloat16, device=dev)
-                copy_async(y.data_ptr(), area.ptr + 8192, nbytes, s)
+                copy_async(y.data_ptr(), area.ptr + 8192, nbytes, s, dev)
 
             rows["copy out of the mailbox, native (empty + cuMemcpyAsync)"] = host_us(empty_and_copy, a.calls)
             page = mmap.mmap(-1, mmap.PAGESIZE)

@@ -4,8 +4,8 @@ Linears has an adapter, instead of one for gate/up and one for down.
 The executor advertises an MLP unit per gated block it serves. virtualize() makes each such block
 of the tenant's model an instance of a subclass of its class whose forward calls the unit; its
 gate/up/down shims stay its children, so PEFT still finds and wraps them. The moment one of them
-is wrapped (an adapter), or torch.compile traces, the block runs its own forward again: one call
-per (fused) Linear. Forward is the block's own ops at the executor. Backward sends the block's
+is wrapped (an adapter), hooked, its act_fn replaced, or torch.compile traces, the block runs its
+own forward again: one call per (fused) Linear. Forward is the block's own ops at the executor. Backward sends the block's
 input beside grad_y, and the executor recomputes the block (it keeps nothing between calls); the
 tenant keeps only the input, where the unsplit block keeps its gate, up and activation outputs.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing
 from proto import executor_pb2 as pb
@@ -22,13 +23,14 @@ from proto.gated_mlp import CHILDREN, is_gated_mlp
 class MlpUnit(UnitRef):
     """The MLP unit of one block, and the shims of the block's Linears that it stands for."""
 
-    def __init__(self, unit: pb.UnitInfo, members: tuple[VirtLayer, ...]):
+    def __init__(self, unit: pb.UnitInfo, members: tuple[VirtLayer, ...], act):
         self.unit_id = unit.id
         self.transport = members[0].transport
         self._kind = unit.kind
         self._d_in, self._d_out = unit.in_features, unit.out_features
         self._dtype = members[0]._dtype
         self.members = members  # gate_proj, up_proj, down_proj
+        self.act = act  # the block's act_fn when it was virtualized (the executor probed its own)
         self._register()
 
     def _out_shape(self, shape, op) -> tuple[int, ...]:
@@ -36,10 +38,15 @@ class MlpUnit(UnitRef):
 
     def serves(self, block: nn.Module, x: torch.Tensor) -> bool:
         """Whether a call of the whole block stands for block(x) now: its Linears are still the
-        plain shims (no adapter wraps one), nothing traces, x is what the unit takes."""
+        plain shims (no adapter wraps one) and its activation the one it had, none of them has a
+        hook (nor is there a global module hook) that the per-Linear forward would run, nothing
+        traces, and x is what the unit takes."""
         modules = block._modules
         return (
             all(modules.get(name) is m for name, m in zip(CHILDREN, self.members))
+            and block.act_fn is self.act
+            and not any(_hooked(m) for m in (*self.members, self.act))
+            and not _global_hooks()
             and not tracing()
             and x.dtype == self._dtype
             and x.dim() > 0
@@ -63,9 +70,23 @@ class _MlpCall(torch.autograd.Function):
         return _SHIMS[unit]._remote(x, pb.FORWARD)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the executor's result carries no graph)
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return _SHIMS[ctx.unit]._remote(torch.cat([x, grad], dim=-1), pb.BACKWARD), None
+
+
+def _hooked(module) -> bool:
+    """Whether a module has a hook of its own that its forward (or backward) would run."""
+    return isinstance(module, nn.Module) and bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def _global_hooks() -> bool:
+    """Whether hooks for every module are registered (torch.nn.modules.module.register_module_*)."""
+    m = _nn_module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 class VirtMLP:
@@ -99,6 +120,6 @@ def serve_whole_mlps(units: list[pb.UnitInfo], root: nn.Module, shims: dict[str,
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Virt{cls.__name__}", (VirtMLP, cls), {"__module__": __name__})
         block.__class__ = _CLASSES[cls]
-        block._whole = MlpUnit(unit, members)
+        block._whole = MlpUnit(unit, members, block.act_fn)
         n += 1
     return n

@@ -2,7 +2,10 @@
 // fraction of a microsecond of host time (through ctypes a driver call costs ~3.5 us, and a
 // torch copy_ or clone ~10 us: benchmarks/RESULTS.md, "S6 pieces").
 //
-//   copy(dst, src, nbytes, stream)        cuMemcpyAsync between two device (or mapped) addresses
+//   copy(dst, src, nbytes, stream, device) cuMemcpyAsync between two device (or mapped) addresses;
+//                                         in a thread with no current CUDA context (one that has
+//                                         made no CUDA runtime call yet) it first makes `device`'s
+//                                         primary context current, as the runtime would
 //   write_word(stream, address, value)    cuStreamWriteValue32: the word becomes value, after
 //                                         everything queued on the stream before it
 //   wait_word(stream, address, value)     cuStreamWaitValue32, GEQ: the stream waits until
@@ -29,12 +32,18 @@ namespace {
 using CUresult = int;
 using CUstream = void*;
 using CUdeviceptr = unsigned long long;
+using CUcontext = void*;
+using CUdevice = int;
 
 struct Driver {
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
   std::string why;  // why the driver could not be opened; empty when it was
 };
 
@@ -60,7 +69,9 @@ const Driver& driver() {
     bool ok = resolve(lib, d.memcpy_async, "cuMemcpyAsync") &&
               resolve(lib, d.write_value32, "cuStreamWriteValue32_v2", "cuStreamWriteValue32") &&
               resolve(lib, d.wait_value32, "cuStreamWaitValue32_v2", "cuStreamWaitValue32") &&
-              resolve(lib, d.error_string, "cuGetErrorString");
+              resolve(lib, d.error_string, "cuGetErrorString") &&
+              resolve(lib, d.ctx_get_current, "cuCtxGetCurrent") && resolve(lib, d.ctx_set_current, "cuCtxSetCurrent") &&
+              resolve(lib, d.device_get, "cuDeviceGet") && resolve(lib, d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
     if (!ok) d.why = "libcuda.so.1 lacks a driver function symbiont needs (a driver older than CUDA 11.7?)";
   });
   if (!d.why.empty()) throw std::runtime_error(d.why);
@@ -76,8 +87,24 @@ void check(CUresult rc, const char* what) {
 
 CUstream as_stream(uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
 
-void copy(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+// Makes `device`'s primary context current in this thread unless some context is.
+void ensure_context(const Driver& d, int device) {
+  thread_local bool checked = false;
+  if (checked) return;
+  CUcontext ctx = nullptr;
+  check(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
+  if (ctx == nullptr) {
+    CUdevice dev = 0;
+    check(d.device_get(&dev, device), "cuDeviceGet");
+    check(d.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    check(d.ctx_set_current(ctx), "cuCtxSetCurrent");
+  }
+  checked = true;
+}
+
+void copy(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream, int device) {
   const Driver& d = driver();
+  ensure_context(d, device);
   CUresult rc;
   {
     py::gil_scoped_release release;
@@ -120,7 +147,7 @@ bool available() {
 PYBIND11_MODULE(_stream_ops, m) {
   m.doc() = "CUDA driver stream operations for symbiont's same-GPU calls (copy, word write, word wait).";
   m.def("available", &available, "Whether the CUDA driver could be opened.");
-  m.def("copy", &copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
+  m.def("copy", &copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("device"));
   m.def("write_word", &write_word, py::arg("stream"), py::arg("address"), py::arg("value"));
   m.def("wait_word", &wait_word, py::arg("stream"), py::arg("address"), py::arg("value"));
 }

@@ -148,13 +148,14 @@ def stream_wait(stream: int, dptr: int, value: int) -> None:
         _stream_wait_ctypes(stream, dptr, value)
 
 
-def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
-    """Queues on `stream` a copy of nbytes from device address src to dst (torch's copy_ of a
-    contiguous tensor, for a fraction of its host time)."""
+def copy_async(dst: int, src: int, nbytes: int, stream: int, device: torch.device) -> None:
+    """Queues on `stream` (of `device`) a copy of nbytes from device address src to dst (torch's
+    copy_ of a contiguous tensor, for a fraction of its host time). In a thread that has made no
+    CUDA call yet it makes the device's primary context current first, as the runtime would."""
     if _native is not None:
-        _native.copy(dst, src, nbytes, stream)
+        _native.copy(dst, src, nbytes, stream, device.index)
     else:
-        _copy_async_ctypes(dst, src, nbytes, stream)
+        _copy_async_ctypes(dst, src, nbytes, stream, device)
 
 
 # the slow twins of the three above (csrc/stream_ops.cpp): used where the extension is not built
@@ -166,8 +167,9 @@ def _stream_wait_ctypes(stream: int, dptr: int, value: int) -> None:
     _check(_driver()._cuStreamWaitValue32(stream, dptr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
 
 
-def _copy_async_ctypes(dst: int, src: int, nbytes: int, stream: int) -> None:
-    _check(_driver().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+def _copy_async_ctypes(dst: int, src: int, nbytes: int, stream: int, device: torch.device) -> None:
+    with _current(device):  # (a context current in this thread)
+        _check(_driver().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def _load_native():

@@ -304,6 +304,67 @@ def test_failed_call_returns_early_and_raises_later():
         assert _synchronizes_within(20)
 
 
+def test_a_synchronise_inside_a_call_does_not_wait_for_ever_on_a_failed_call():
+    """Same GPU: a call fails at the executor, its reply coming late (the executor holds it until
+    its input is in, behind a 0.5 s kernel), and the next call synchronises inside the transport
+    (here in its `take`; a lazy kernel load or an allocator's cudaFree does the same) while our
+    stream waits for the failed call's result. Only the watchdog can release that wait then: it
+    must not need the transport's lock, which the caller holds (session 5's review, finding #3)."""
+    import threading
+
+    from client.errors import UnknownUnitError
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        conn, x = gpu_tenant_and_input(ex.url, unit)
+        t = conn.transport
+        want = t.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE).cpu()
+        t.confirm()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s
+        t.call("no.such.unit", pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+
+        def take(y):
+            torch.cuda.synchronize()
+            return y.clone()
+
+        got = {}
+        second = threading.Thread(
+            target=lambda: got.setdefault("y", t.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE, take)),
+            daemon=True)
+        second.start()
+        second.join(30)
+        assert not second.is_alive(), "a synchronise inside a call waited for ever on a failed call's release"
+        torch.testing.assert_close(got["y"].cpu(), want)
+        with pytest.raises(UnknownUnitError, match="no.such.unit"):
+            t.confirm()
+        assert _synchronizes_within(20)
+        conn.close()
+
+
+def test_a_call_from_a_thread_without_cuda_work():
+    """The first CUDA work of a fresh thread (a server's worker, say) may be a call's native copy
+    in, a driver call: it makes the device's context current itself, as the runtime would."""
+    import threading
+
+    from proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        unit = "model.layers.0.mlp.down_proj"
+        conn, x = gpu_tenant_and_input(ex.url, unit)
+
+        def call():
+            return conn.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+
+        want = call().cpu()
+        got = {}
+        worker = threading.Thread(target=lambda: got.setdefault("y", call().cpu()), daemon=True)
+        worker.start()
+        worker.join(60)
+        torch.testing.assert_close(got["y"], want)
+        conn.close()
+
+
 def test_calls_on_two_streams_keep_their_order():
     """Same GPU: a call made on another CUDA stream than the call before it is ordered after it
     (both use the mailbox's one input area and words): the first call's input copy sits behind

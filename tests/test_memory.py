@@ -87,7 +87,7 @@ def test_executor_memory_flat_while_tenant_trains_longer_sequences(tmp_path):
         samples = accumulate()
         again = accumulate()  # the same steps once more: nothing of the first may have stayed
 
-        growth = max(samples[:-1]) - baseline  # while the steps are in flight
+        growth = max(samples) - baseline  # while the steps are in flight, and after their backward
         kept = max(again) - samples[-1]  # what a second round adds to the first's high-water mark
         stored = per_token * BATCH * sum(LENGTHS)
         print(
@@ -97,7 +97,7 @@ def test_executor_memory_flat_while_tenant_trains_longer_sequences(tmp_path):
             f"the {len(LENGTHS)} steps in flight would take {stored / 2**20:.1f} MiB"
         )
         assert growth < FRACTION * stored, (
-            f"the executor's private memory grew by {growth / 2**20:.1f} MiB while the tenant had "
+            f"the executor's private memory grew by {growth / 2**20:.1f} MiB while (or after) the tenant had "
             f"{BATCH * sum(LENGTHS)} tokens of training in flight; storing their activations would take "
             f"{stored / 2**20:.1f} MiB, and the limit is {FRACTION:.0%} of that"
         )

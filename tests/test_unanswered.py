@@ -163,3 +163,17 @@ def test_the_watchdog_releases_every_wait_once_the_executor_is_gone(box):
     assert not u.watch(2, lambda: False)  # nothing waits any more
     u.bind(None)
     assert not u.watch(3, lambda: False), "an unbound mailbox (closed) is never touched"
+
+
+def test_a_call_never_sent_is_forgotten(box):
+    u = Unanswered()
+    u.bind(box)
+    u.add(_sent(1))
+    u.add(_sent(2))
+    u.forget(2)  # announced, then its request could not be pushed
+    u.await_reply(3)
+    u.forget(3)
+    assert [s.call_id for s in u.sent] == [1] and u.awaited == 0
+    assert box.replies.push(_ok(3).SerializeToString())  # a stray reply is not kept for anyone
+    u.take()
+    assert u.awaited_reply is None and len(u) == 1

@@ -159,3 +159,30 @@ def test_generate_and_off_switch(executor):
             assert torch.equal(virt.generate(prompt, **kw), want)
         assert count.of(MLP) == (10 * LAYERS if whole else 0), count.calls
         assert count.of(GATE_UP) == (0 if whole else 10 * LAYERS) and count.of(QKV) == 10 * LAYERS, count.calls
+
+
+def test_hooks_and_a_new_activation_call_per_linear(executor):
+    """What the block's own forward would run and a whole call would skip: a hook on one of its
+    Linears, or an activation other than the one the executor probed."""
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    x = ids(1, 7)
+    seen = []
+    for m in (ref, virt):
+        m.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape) or out * 0)
+    with torch.no_grad(), CallCount(executor.url) as count:
+        assert torch.equal(virt(x).logits, ref(x).logits)
+    assert len(seen) == 2 and count.of(MLP) == LAYERS - 1 and count.of("0.mlp.down_proj") == 1, count.calls
+    for m in (ref, virt):
+        m.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    with torch.no_grad(), CallCount(executor.url) as count:
+        assert torch.equal(virt(x).logits, ref(x).logits)
+    assert count.of(MLP) == 0, count.calls
+
+
+def test_double_backward_through_a_whole_call_raises(executor):
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    x, w = torch.randn(1, 3, 64, requires_grad=True), torch.randn(1, 3, 64, requires_grad=True)
+    y = (virt.model.layers[0].mlp(x) * w).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)  # (g depends on w: a second order exists)
+    with pytest.raises(RuntimeError, match="differentiate twice"):  # not silently zero
+        g.sum().backward()

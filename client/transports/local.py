@@ -145,20 +145,25 @@ class LocalTransport(Transport):
             request.input_seq = order.input_in(stream, word=direct)  # (a peer GPU's streams cannot write our words)
             early = bool(request.input_seq and order.out_word) and self.return_early
         seq = request.input_seq if order is not None and order.out_word else 0  # the output word tells when its result is in
-        sent = tracked = False
+        sent = False
         try:
+            # whoever takes the reply is known before the request goes: the watchdog may take it
+            # at once, and keeps only the replies of calls it knows
+            if early:
+                self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
+            else:
+                self._unanswered.await_reply(request.call_id)
             if not box.requests.push(request.SerializeToString()):
                 raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
             sent = True
             self._wake.ring(wake_always=True)
             if early:
-                self._unanswered.add(Sent(request.call_id, seq, request.unit, request.op, tuple(out_shape), out_dtype))
-                tracked = True  # (its reply and any release are the unanswered calls' now)
                 order.wait_result(stream, seq)  # our GPU waits for the result
         except BaseException:  # (an interrupt too) its word must still be written, in call order
             if not sent:
+                self._unanswered.forget(request.call_id)
                 self._release_failed(request.call_id, seq)
-            elif not tracked:
+            elif not early:  # (an early call's reply and any release are the unanswered calls')
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
         if early:  # (the copy out is queued behind the wait)

@@ -114,6 +114,15 @@ class Unanswered:
             if self.awaited != call_id:
                 self.awaited, self.awaited_reply = call_id, None
 
+    def forget(self, call_id: int) -> None:
+        """Forgets a call that add() or await_reply() announced but that was never sent."""
+        with self.lock:
+            sent = next((s for s in reversed(self.sent) if s.call_id == call_id), None)
+            if sent is not None:
+                self.sent.remove(sent)
+            if self.awaited == call_id:
+                self.awaited, self.awaited_reply = 0, None
+
     def answer(self, reply: pb.CallReply) -> bool:
         """Takes a reply; False when it answers none of these calls."""
         with self.lock:

@@ -70,7 +70,7 @@ class StreamOrder:
     def copy_in(self, x: torch.Tensor, stream: int) -> None:
         """Queues the copy of x (contiguous, on our GPU) to the start of the data area on `stream`
         (x.copy_ for a fraction of its host time: csrc/stream_ops.cpp)."""
-        copy_async(self.region.ptr, x.data_ptr(), x.numel() * x.element_size(), stream)
+        copy_async(self.region.ptr, x.data_ptr(), x.numel() * x.element_size(), stream, self.device)
 
     def input_in(self, stream: int, word: bool = True) -> int:
         """Marks the input copied in so far on `stream` as complete: writes the next input_seq to
