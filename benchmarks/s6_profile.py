@@ -117,6 +117,11 @@ def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib
         while time.monotonic() < t_end or any(s.poll() is None for s in spies):
             one()
             calls += 1
+            if time.monotonic() > t_end + 60:  # a py-spy that never finishes (seen once on the executor)
+                for s in spies:
+                    s.kill()
+                print("py-spy did not finish within 60 s of its duration: stopped", file=sys.stderr)
+                break
         conn.close()
     finally:
         proc.send_signal(2)

@@ -163,6 +163,10 @@ def test_the_watchdog_releases_every_wait_once_the_executor_is_gone(box):
     assert not u.watch(2, lambda: False)  # nothing waits any more
     u.bind(None)
     assert not u.watch(3, lambda: False), "an unbound mailbox (closed) is never touched"
+    u.bind(box, tag="new")  # a grow's new mailbox: the watchdog's seq of the old one is stale
+    u.add(_sent(4))
+    assert not u.watch(4, lambda: False, tag="old") and box.output_word() == 2
+    assert u.watch(4, lambda: False, tag="new") and box.output_word() == 4
 
 
 def test_a_call_never_sent_is_forgotten(box):

@@ -85,7 +85,7 @@ class LocalTransport(Transport):
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
-        self._unanswered.bind(box)
+        self._unanswered.bind(box, order)
         if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
             self._watchdog = start_watchdog(self)
 

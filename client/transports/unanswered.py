@@ -73,6 +73,7 @@ class Unanswered:
     def __init__(self):
         self.lock = threading.Lock()  # never held across a CUDA call or a sleep (module docstring)
         self.box = None  # the mailbox (proto.mailbox.Mailbox) the replies come on; None: none now
+        self.tag = None  # see bind()
         self.sent: collections.deque[Sent] = collections.deque()  # in call order
         self.failed: list[Sent] = []  # answered with a failure, output word not written yet; call order
         self.failure: tuple[int, Exception] | None = None  # (call id, error) of the earliest failure not raised yet
@@ -87,11 +88,12 @@ class Unanswered:
         """Whether anything is left to take or to release."""
         return bool(self.sent or self.failed or self.failure)
 
-    def bind(self, box) -> None:
+    def bind(self, box, tag=None) -> None:
         """Takes the replies of `box` from now on (None: of no mailbox); forgets everything of the
-        mailbox before, which must not be used by anyone once this returns."""
+        mailbox before, which must not be used by anyone once this returns. `tag`: what watch()
+        must be given for this mailbox (its words' owner)."""
         with self.lock:
-            self.box = box
+            self.box, self.tag = box, tag
             self.sent.clear()
             self.failed.clear()
             self.failure = None
@@ -229,14 +231,15 @@ class Unanswered:
         (_, failure), self.failure = self.failure, None
         return failure
 
-    def watch(self, seq: int, executor_alive) -> bool:
+    def watch(self, seq: int, executor_alive, tag=None) -> bool:
         """The watchdog's look: when our GPU may still wait for the output word to reach `seq`,
         takes the replies that came and releases failed calls; when the executor is gone or has
         detached us (executor_alive() False), writes `seq` to the word, since no result comes
-        any more, and returns True."""
+        any more, and returns True. Nothing when `tag` is not the bound mailbox's (the watchdog
+        read `seq` for a mailbox that a grow has replaced since)."""
         with self.lock:
             box = self.box
-            if box is None or reached(box.output_word(), seq):
+            if box is None or tag is not self.tag or reached(box.output_word(), seq):
                 return False
             try:
                 self._take()

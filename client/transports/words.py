@@ -135,6 +135,6 @@ def _watch(ref) -> None:
         if t is None or (t.tenant_id == 0 and t._box is None):
             return
         order = t._order
-        if order is not None and order.out_word and t._unanswered.watch(order.seq, t._executor_alive):
+        if order is not None and order.out_word and t._unanswered.watch(order.seq, t._executor_alive, order):
             t._gone = f"the executor at {t.url} (pid {t._executor_pid}) is gone, or detached this tenant"
         del t, order
