@@ -57,6 +57,22 @@ class CallCount:
         return sum(self.calls.values())
 
 
+def steps_side_by_side(url: str, ref, virt, x: torch.Tensor, steps: int = 2):
+    """SGD steps of the unsplit `ref` and the virtualized `virt` on x, side by side: after each
+    backward their adapter gradients agree; yields the CallCount of virt's forward and backward
+    (before the optimizer steps)."""
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
+    for _ in range(steps):
+        for m, opt in zip((ref, virt), opts):
+            opt.zero_grad()
+            with CallCount(url) as count:
+                m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
+        yield count
+        for opt in opts:
+            opt.step()
+
+
 def _lora(base, targets):
     from peft import LoraConfig, get_peft_model
 
@@ -168,20 +184,11 @@ def test_lora_gradients_one_backward_per_group(executor, targets, order):
         virt = virtualize(_lora(build_builtin("tiny-llama"), targets), executor.url)
     else:
         virt = _lora(virtualize(build_builtin("tiny-llama"), executor.url), targets)
-    x = ids(2, 10, seed=5)
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
-    for step in range(2):
-        for m, opt in zip((ref, virt), opts):
-            opt.zero_grad()
-            with CallCount(executor.url) as count:
-                m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref), lora_grads(virt))
+    for count in steps_side_by_side(executor.url, ref, virt, ids(2, 10, seed=5)):
         # forward and backward, one call each; layer 0's q/k/v read the embedding output, which
         # needs no gradient, and the embedding has no backward
         assert count.members() == 0 and count.of(GATE_UP) == 2 * LAYERS and count.of(QKV) == 2 * LAYERS - 1, count.calls
         assert count.total() == (4 * LAYERS + 2) + (4 * LAYERS - 1 + 1), count.calls
-        for opt in opts:
-            opt.step()
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -12,7 +12,7 @@ from base_executor.models import build_builtin
 from client import virtualize
 from proto import executor_pb2 as pb
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads, lora_model
-from tests.test_fusion import GATE_UP, LAYERS, QKV, CallCount, _lora
+from tests.test_fusion import GATE_UP, LAYERS, QKV, CallCount, _lora, steps_side_by_side
 
 MLP = "mlp"  # the suffix of an MLP unit's id (model.layers.N.mlp)
 
@@ -88,20 +88,11 @@ def test_three_calls_per_layer_same_logits(executor_for, name):
 
 def test_lora_on_attention_one_backward_per_block(executor):
     ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)  # q_proj, v_proj
-    x = ids(2, 10, seed=5)
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
-    for step in range(2):
-        for m, opt in zip((ref, virt), opts):
-            opt.zero_grad()
-            with CallCount(executor.url) as count:
-                m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref), lora_grads(virt))
+    for count in steps_side_by_side(executor.url, ref, virt, ids(2, 10, seed=5)):
         # forward: qkv, o, mlp per layer + embedding and lm_head; backward: the same but the
         # embedding's and layer 0's qkv (its input, the embedding output, needs no gradient)
         assert count.of(MLP) == 2 * LAYERS and count.of(GATE_UP) == 0 and count.of("down_proj") == 0, count.calls
         assert count.total() == (3 * LAYERS + 2) + (3 * LAYERS - 1 + 1), count.calls
-        for opt in opts:
-            opt.step()
 
 
 @pytest.mark.parametrize("order", ["after_peft", "before_peft"])
