@@ -5,6 +5,7 @@ MLP unit per gated MLP block (down(act(gate(x)) * up(x))), so a tenant whose MLP
 makes one call for the whole block; and the skeleton a tenant builds its model from."""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 
@@ -62,6 +63,7 @@ class Unit:
     group: str = ""  # a member unit: its group's id
     rows: tuple[int, int] = (0, 0)  # a member unit: its rows [a, b) of the group's weight
     act: nn.Module | None = None  # an MLP unit: its activation; its members are (gate/up group, down)
+    act_backward: collections.abc.Callable | None = None  # an MLP unit: act's backward op, (grad, x, out) -> out (None: autograd)
 
     def info(self) -> pb.UnitInfo:
         return pb.UnitInfo(
@@ -160,7 +162,7 @@ class UnitTable:
         if pair is None or down is None or pair.members != (gate, up) or down.tied_to:
             return
         unit = Unit(id=path, kind=MLP, weight=None, bias=None, in_features=down.out_features, out_features=down.out_features,
-                    members=(pair, down), act=module.act_fn)
+                    members=(pair, down), act=module.act_fn, act_backward=runner.act_backward_of(module.act_fn, down.weight.dtype))
         unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}"
         x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
         with torch.no_grad():

@@ -58,9 +58,47 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
         return run(down, pb.FORWARD, unit.act(gate) * up, exact, out)
     if op == pb.BACKWARD:
         x, grad_y = x.split(unit.in_features, dim=-1)  # each [tokens, hidden]
-        with torch.enable_grad():
-            gate, up = (h.detach().requires_grad_() for h in run(pair, pb.FORWARD, x, exact).split(width, dim=-1))
-            a = unit.act(gate) * up
-        grad_gate, grad_up = torch.autograd.grad(a, (gate, up), run(down, pb.BACKWARD, grad_y))
-        return run(pair, pb.BACKWARD, torch.cat([grad_gate, grad_up], dim=-1), out=out)
+        gate_up = run(pair, pb.FORWARD, x, exact)
+        grad_a = run(down, pb.BACKWARD, grad_y)  # d/d(act(gate) * up)
+        if unit.act_backward is None:  # an activation without a known backward op: autograd's
+            with torch.enable_grad():
+                gate, up = (h.detach().requires_grad_() for h in gate_up.split(width, dim=-1))
+                a = unit.act(gate) * up
+            grad_gate, grad_up = torch.autograd.grad(a, (gate, up), grad_a)
+            return run(pair, pb.BACKWARD, torch.cat([grad_gate, grad_up], dim=-1), out=out)
+        # the ops autograd runs for act(gate) * up, each written over what it no longer needs
+        # (gate_up becomes [grad_gate, grad_up]): no autograd engine, a third of its memory
+        gate, up = gate_up.split(width, dim=-1)
+        act = unit.act(gate)
+        torch.mul(grad_a, up, out=up)  # up's columns: d/d act(gate)
+        grad_a.mul_(act)  # grad_up
+        del act
+        unit.act_backward(up, gate, gate)  # gate's columns: grad_gate
+        up.copy_(grad_a)
+        return run(pair, pb.BACKWARD, gate_up, out=out)
     raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")
+
+
+_ACT_BACKWARDS = (  # (grad, x, out) -> out: the backward ops of the activations gated MLPs use
+    lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
+    lambda g, x, out: torch.ops.aten.gelu_backward.grad_input(g, x, approximate="tanh", grad_input=out),
+    lambda g, x, out: torch.ops.aten.gelu_backward.grad_input(g, x, approximate="none", grad_input=out),
+)
+
+
+def act_backward_of(act, dtype: torch.dtype):
+    """The backward op of activation `act` among _ACT_BACKWARDS, found by a probe: the one whose
+    result is bitwise what autograd gives through act; None when none is."""
+    gen = torch.Generator().manual_seed(0)
+    x, g = (3 * torch.randn(4, 64, generator=gen)).to(dtype), torch.randn(4, 64, generator=gen).to(dtype)
+    with torch.enable_grad():
+        xr = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad(act(xr), xr, g)
+    for f in _ACT_BACKWARDS:
+        try:
+            got = f(g, x, torch.empty_like(x))
+        except RuntimeError:  # (an op this build lacks for the dtype)
+            continue
+        if torch.equal(got, want):
+            return f
+    return None

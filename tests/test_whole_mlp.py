@@ -42,6 +42,28 @@ def test_mlp_unit_is_the_block(name):
     assert table.parameter_count() == before  # an MLP unit holds no weights of its own
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma2"])
+def test_mlp_backward_runs_the_ops_autograd_runs(name):
+    """The MLP unit's backward calls the activation's backward op itself (found by a probe at
+    load), bitwise what the recompute through autograd gives; an activation with no known
+    backward op goes through autograd, with the block's gradient."""
+    table = UnitTable(build_builtin(name).to(torch.bfloat16))
+    unit = table.get("model.layers.0.mlp")
+    assert unit.act_backward is not None
+    xg = torch.randn(9, 128, dtype=torch.bfloat16)
+    direct = runner.run(unit, pb.BACKWARD, xg)
+    unit.act_backward = None
+    assert torch.equal(runner.run(unit, pb.BACKWARD, xg), direct)
+    unit.act = lambda h: h * torch.tanh(h)  # nothing in runner._ACT_BACKWARDS
+    assert runner.act_backward_of(unit.act, torch.bfloat16) is None
+    x, grad_y = xg.float().split(64, dim=-1)
+    x.requires_grad_()
+    pair, down = unit.members
+    gate, up = torch.nn.functional.linear(x, pair.weight.float()).split(pair.members[0].out_features, dim=-1)
+    (want,) = torch.autograd.grad(torch.nn.functional.linear(unit.act(gate) * up, down.weight.float()), x, grad_y)
+    torch.testing.assert_close(runner.run(unit, pb.BACKWARD, xg).float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_no_mlp_unit_for_other_blocks():
     for name in ("tiny-gpt2", "tiny-phi3"):  # not gated this way, or gate/up come fused
         assert not [u for u in UnitTable(build_builtin(name)).units.values() if u.kind == "mlp"]
