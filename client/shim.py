@@ -66,7 +66,12 @@ _SHIMS: "weakref.WeakValueDictionary[int, UnitRef]" = weakref.WeakValueDictionar
 _IDS = itertools.count(1)
 
 
-@torch.library.custom_op("symbiont::unit_call", mutates_args=())
+# a call does host work (the request, the doorbell): a CUDA graph replay would skip it, so
+# torch.compile's CUDA graphs (mode="reduce-overhead") must leave the op out of theirs
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("symbiont::unit_call", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def unit_call(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
     return _SHIMS[shim]._remote(x, op)
 
