@@ -9,7 +9,10 @@ the unsplit model and the tenant back to back; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
 executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
 `--profile SECONDS` samples both processes with py-spy per scenario; `--torch-profile` runs each
-scenario once per model under torch.profiler. `--compare-whole-mlp` times a third model in the
+scenario once per model under torch.profiler; `--gpu-time` runs each scenario once per model with
+the GPU's work recorded in both processes (the executor through benchmarks/profiled_serve.py):
+the GPU's busy time for the tenant's kernels and for the executor's, and the rest of the wall
+time, when the GPU did neither (waiting for a host). `--compare-whole-mlp` times a third model in the
 same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
@@ -21,6 +24,7 @@ import copy
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,13 +72,18 @@ def main() -> int:
     p.add_argument("--torch-profile", action="store_true",
                    help="after timing each scenario, run it once per model under torch.profiler and print where the "
                    "tenant's host time goes (self CPU time per op, CUDA runtime calls included)")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="after timing each scenario, run it once per model recording both processes' GPU work: "
+                   "GPU busy for the tenant, for the executor, and idle")
     a = p.parse_args()
     out_dir = pathlib.Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     url = f"local://s1-{os.getpid()}"
-    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", url, "--device", a.device,
+    ex_gpu = out_dir / f"s1_gpu_time_executor-{a.model}.json"  # (--gpu-time) the executor's GPU work
+    launch = [str(REPO / "benchmarks" / "profiled_serve.py"), str(ex_gpu)] if a.gpu_time else ["-m", "base_executor.cli"]
+    cmd = [sys.executable, *launch, "serve", "--model", a.model, "--listen", url, "--device", a.device,
            "--dtype", "bfloat16", *a.serve_args.split()]
     log = open(out_dir / f"s1_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
@@ -94,6 +103,7 @@ def main() -> int:
         results: dict[str, dict[str, float]] = {}
         calls: dict[str, float] = {}
         calls_off: dict[str, float] = {}  # with whole-MLP calls off
+        gpu_times: dict[str, dict] = {}  # --gpu-time
 
         def profile(name, run_symbiont):
             """py-spy samples the tenant and the executor while the symbiont side repeats `name`."""
@@ -121,6 +131,41 @@ def main() -> int:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48)
             print(f"\n{title} (torch.profiler, one run):\n{table}", flush=True)
 
+        def executor_gpu(start: bool) -> dict | None:
+            """Starts the executor's recording of its GPU work, or stops it and returns what it did."""
+            ready = ex_gpu.with_suffix(".started") if start else ex_gpu
+            ready.unlink(missing_ok=True)
+            proc.send_signal(signal.SIGUSR1 if start else signal.SIGUSR2)
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the executor did not answer the profiling signal")
+                time.sleep(0.01)
+            return None if start else json.loads(ex_gpu.read_text())
+
+        def gpu_time(name, run):
+            """One run per model with both processes' GPU work recorded."""
+            from torch.profiler import ProfilerActivity, profile as tprofile
+
+            from profiled_serve import gpu_work
+
+            rows = gpu_times[name] = {}
+            for k, m in models.items():
+                if k != "unsplit":
+                    executor_gpu(True)
+                with tprofile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
+                    wall = timed(lambda: run(m)) * 1e3
+                ex = executor_gpu(False) if k != "unsplit" else {"busy_ms": 0.0, "launches": 0, "top_ms": {}}
+                me = gpu_work(prof.events())
+                rows[k] = {"wall_ms": wall, "tenant": me, "executor": ex,
+                           "idle_ms": wall - me["busy_ms"] - ex["busy_ms"]}
+                print(f"{name}, {k}: wall {wall:.2f} ms; GPU busy for the tenant {me['busy_ms']:.2f} ms "
+                      f"({me['launches']} kernels and copies), for the executor {ex['busy_ms']:.2f} ms "
+                      f"({ex['launches']}); neither {rows[k]['idle_ms']:.2f} ms", flush=True)
+                for who, w in (("tenant", me), ("executor", ex)):
+                    for kernel, ms in list(w["top_ms"].items())[:6]:
+                        print(f"    {who:8s} {ms:8.2f} ms  {kernel}", flush=True)
+
         def scenario(name, run_one):
             times = {k: [] for k in models}
             for i in range(a.steps + 2):
@@ -134,6 +179,8 @@ def main() -> int:
             results[name] = {k: statistics.median(v) for k, v in times.items()}
             if a.profile:
                 profile(name, lambda: run_one(models["symbiont"]))
+            if a.gpu_time:
+                gpu_time(name, run_one)
             if a.torch_profile:
                 for k, m in models.items():
                     torch_profile(f"{name}, {k}", lambda: run_one(m))
@@ -174,7 +221,7 @@ def main() -> int:
     out = {
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
         "wait_replies": a.wait_replies, "serve_args": a.serve_args,
-        "seconds": results, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
+        "seconds": results, "gpu_time": gpu_times, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "overhead_per_call_us": {
             k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
