@@ -72,6 +72,7 @@ def main() -> int:
     p.add_argument("--torch-profile", action="store_true",
                    help="after timing each scenario, run it once per model under torch.profiler and print where the "
                    "tenant's host time goes (self CPU time per op, CUDA runtime calls included)")
+    p.add_argument("--scenarios", default="prefill,decode,finetune", help="which scenarios to run, comma-separated")
     p.add_argument("--gpu-time", action="store_true",
                    help="after timing each scenario, run it once per model recording both processes' GPU work: "
                    "GPU busy for the tenant, for the executor, and idle")
@@ -104,6 +105,7 @@ def main() -> int:
         calls: dict[str, float] = {}
         calls_off: dict[str, float] = {}  # with whole-MLP calls off
         gpu_times: dict[str, dict] = {}  # --gpu-time
+        alloc_retries: dict[str, dict] = {}
 
         def profile(name, run_symbiont):
             """py-spy samples the tenant and the executor while the symbiont side repeats `name`."""
@@ -167,16 +169,25 @@ def main() -> int:
                         print(f"    {who:8s} {ms:8.2f} ms  {kernel}", flush=True)
 
         def scenario(name, run_one):
+            if name not in a.scenarios.split(","):
+                return
             times = {k: [] for k in models}
+            retries = {k: 0 for k in models}  # the tenant's allocator freeing its cache to retry a cudaMalloc (a sync)
             for i in range(a.steps + 2):
                 for k, m in models.items():
                     before = conn.stats().calls if k != "unsplit" else 0
+                    tried = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if dev.type == "cuda" else 0
                     t = timed(lambda: run_one(m))
+                    if dev.type == "cuda":
+                        retries[k] += torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - tried
                     if i >= 2:
                         times[k].append(t)
                         if k != "unsplit":
                             (calls if k == "symbiont" else calls_off)[name] = conn.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
+            alloc_retries[name] = retries
+            if any(retries.values()):
+                print(f"{name}: the tenant's allocator retried after freeing its cache (synchronising) {retries}", flush=True)
             if a.profile:
                 profile(name, lambda: run_one(models["symbiont"]))
             if a.gpu_time:
@@ -199,7 +210,8 @@ def main() -> int:
         with torch.no_grad():
             scenario("prefill", lambda m: m(long, use_cache=False))
             scenario("decode", lambda m: m.generate(prompt, **gen_kw))
-        results["decode"] = {k: v / a.new_tokens for k, v in results["decode"].items()}  # per token
+        if "decode" in results:
+            results["decode"] = {k: v / a.new_tokens for k, v in results["decode"].items()}  # per token
 
         batch = torch.randint(1, vocab, (2, 512), device=dev)
         models = {k: lora(m) for k, m in models.items()}
@@ -221,7 +233,7 @@ def main() -> int:
     out = {
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
         "wait_replies": a.wait_replies, "serve_args": a.serve_args,
-        "seconds": results, "gpu_time": gpu_times, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
+        "seconds": results, "gpu_time": gpu_times, "tenant_alloc_retries": alloc_retries, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "overhead_per_call_us": {
             k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
@@ -233,13 +245,13 @@ def main() -> int:
     how = (" (no fusion)" if a.no_fuse else "") + (" (calls wait for replies)" if a.wait_replies else "") + (f" (serve {a.serve_args})" if a.serve_args else "")
     print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{how}")
     print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}")
-    for k in ("finetune", "decode", "prefill"):
+    for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
         v = results[k]
         print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
               f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}")
     if a.compare_whole_mlp:
         print("with whole-MLP calls off:")
-        for k in ("finetune", "decode", "prefill"):
+        for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['per-linear MLP'] * 1e3:12.2f} {v['per-linear MLP'] / v['unsplit']:7.3f} "
                   f"{goals[k]:6.2f} {calls_off[k]:7.0f}")
