@@ -83,12 +83,21 @@ def _(x, shim, op):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.shim = inputs[1]
+    x, ctx.shim, ctx.op = inputs
+    if _SHIMS[ctx.shim]._kind == "mlp":  # its backward sends the input again (client/whole_mlp.py)
+        ctx.save_for_backward(x)
 
 
 def _backward(ctx, grad):
-    # grad_x = grad_y W: the executor keeps no activations, W is frozen
-    return unit_call(grad.contiguous(), ctx.shim, pb.BACKWARD), None, None
+    # grad_x = grad_y W: the executor keeps no activations, W is frozen; an MLP unit's executor
+    # recomputes the block from the input sent beside grad_y
+    grad = grad.contiguous()
+    if _SHIMS[ctx.shim]._kind == "mlp":
+        if ctx.op == pb.BACKWARD:
+            raise RuntimeError("a whole-MLP call cannot differentiate twice: its backward is the executor's recompute")
+        (x,) = ctx.saved_tensors
+        grad = torch.cat([x, grad], dim=-1)
+    return unit_call(grad, ctx.shim, pb.BACKWARD), None, None
 
 
 unit_call.register_autograd(_backward, setup_context=_setup_context)

@@ -4,8 +4,9 @@ Linears has an adapter, instead of one for gate/up and one for down.
 The executor advertises an MLP unit per gated block it serves. virtualize() makes each such block
 of the tenant's model an instance of a subclass of its class whose forward calls the unit; its
 gate/up/down shims stay its children, so PEFT still finds and wraps them. The moment one of them
-is wrapped (an adapter), hooked, its act_fn replaced, or torch.compile traces, the block runs its
-own forward again: one call per (fused) Linear. Forward is the block's own ops at the executor. Backward sends the block's
+is wrapped (an adapter), hooked, or its act_fn replaced, the block runs its own forward again: one
+call per (fused) Linear. While torch.compile traces, the whole call is the custom op
+`symbiont::unit_call` on the MLP unit (client/shim.py), so a compiled block is one call too. Forward is the block's own ops at the executor. Backward sends the block's
 input beside grad_y, and the executor recomputes the block (it keeps nothing between calls); the
 tenant keeps only the input, where the unsplit block keeps its gate, up and activation outputs.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing
+from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing, unit_call
 from proto import executor_pb2 as pb
 from proto.gated_mlp import CHILDREN, is_gated_mlp
 
@@ -39,21 +40,22 @@ class MlpUnit(UnitRef):
     def serves(self, block: nn.Module, x: torch.Tensor) -> bool:
         """Whether a call of the whole block stands for block(x) now: its Linears are still the
         plain shims (no adapter wraps one) and its activation the one it had, none of them has a
-        hook (nor is there a global module hook) that the per-Linear forward would run, nothing
-        traces, and x is what the unit takes."""
+        hook (nor is there a global module hook) that the per-Linear forward would run, and x is
+        what the unit takes."""
         modules = block._modules
         return (
             all(modules.get(name) is m for name, m in zip(CHILDREN, self.members))
             and block.act_fn is self.act
             and not any(_hooked(m) for m in (*self.members, self.act))
             and not _global_hooks()
-            and not tracing()
             and x.dtype == self._dtype
             and x.dim() > 0
             and x.shape[-1] == self._d_in
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tracing():  # the custom op, whose backward for an MLP unit sends [x, grad_y] too
+            return unit_call(x, self._shim_id, pb.FORWARD)
         if records(x):
             return _MlpCall.apply(x, self._shim_id)
         return self._remote(x, pb.FORWARD)

@@ -91,8 +91,9 @@ def test_shim_is_instance_of_replaced_class(executor_for):
 def test_shim_compiles_in_one_graph(executor):
     """The shim is a custom op with a fake implementation: dynamo captures it without a graph
     break, forward and backward, and the compiled layer gives the eager result."""
-    virt = virtualize(build_builtin("tiny-llama"), executor.url)
-    mlp = virt.model.layers[1].mlp  # gate/up/down shims around a local activation
+    virt = virtualize(build_builtin("tiny-llama"), executor.url, whole_mlp=False)
+    mlp = virt.model.layers[1].mlp  # gate/up/down shims around a local activation (a whole-MLP
+    # call compiles too: tests/test_whole_mlp.py)
     x = torch.randn(3, 5, 64, requires_grad=True)
     compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
     y = compiled(x)

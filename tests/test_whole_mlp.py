@@ -192,6 +192,46 @@ def test_hooks_and_a_new_activation_call_per_linear(executor):
     assert count.of(MLP) == 0, count.calls
 
 
+def test_compiled_block_is_one_call(executor):
+    """While torch.compile traces, the whole call is the custom op: the compiled block makes one
+    call forward and one backward (with the input again), with the eager whole call's results;
+    with whole-MLP calls off it compiles to per-Linear calls."""
+    for whole in (True, False):
+        virt = virtualize(build_builtin("tiny-llama"), executor.url, whole_mlp=whole)
+        mlp = virt.model.layers[1].mlp
+        x = torch.randn(3, 5, 64, requires_grad=True)
+        compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
+        with CallCount(executor.url) as count:
+            y = compiled(x)
+            (gx,) = torch.autograd.grad(y.square().sum(), x)
+        if whole:
+            assert count.of(MLP) == 2 and count.total() == 2, count.calls
+        else:
+            assert count.of(MLP) == 0 and count.of("gate_proj") == 2 and count.of("down_proj") == 2, count.calls
+        x2 = x.detach().clone().requires_grad_(True)
+        y2 = mlp(x2)
+        (gx2,) = torch.autograd.grad(y2.square().sum(), x2)
+        assert torch.equal(y, y2)
+        torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_model_with_whole_calls(executor):
+    """A whole compiled model: the unsplit model's logits, and its LoRA gradients, with
+    one call per MLP block per pass."""
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    x = ids(1, 7)
+    compiled = torch.compile(virt, backend="aot_eager")
+    with torch.no_grad(), CallCount(executor.url) as count:
+        torch.testing.assert_close(compiled(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+    assert count.of(MLP) == LAYERS, count.calls
+    ref_l, virt_l = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)
+    ref_l(input_ids=ids(), labels=ids()).loss.backward()
+    with CallCount(executor.url) as count:
+        torch.compile(virt_l, backend="aot_eager")(input_ids=ids(), labels=ids()).loss.backward()
+    assert count.of(MLP) == 2 * LAYERS, count.calls
+    assert_grads_close(lora_grads(ref_l), lora_grads(virt_l))
+
+
 def test_double_backward_through_a_whole_call_raises(executor):
     virt = virtualize(build_builtin("tiny-llama"), executor.url)
     x, w = torch.randn(1, 3, 64, requires_grad=True), torch.randn(1, 3, 64, requires_grad=True)
