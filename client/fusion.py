@@ -10,14 +10,15 @@ runs a node once, when all its outputs' gradients are in.
 
 Fusion never changes what a member returns, only how many calls it takes: a member called with
 another input makes a fresh group call, and a group whose kept outputs keep going unused (its
-members read different inputs) stops fusing and calls per unit. `torch.compile` traces per-unit
-calls (client/shim.py): kept outputs are state a graph cannot hold.
+members read different inputs) stops fusing and calls per unit. While `torch.compile` traces, the
+group call is the custom op (client/shim.py) and the kept outputs live only within the trace:
+siblings fed the same traced tensor share one call in the graph.
 """
 from __future__ import annotations
 
 import torch
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records
+from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records, tracing, unit_call
 from proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -41,6 +42,7 @@ class FusedGroup(UnitRef):
         self._state = None  # _state(x) then: a sibling takes a kept output only if it is unchanged
         self._kept: dict[int, torch.Tensor] = {}  # member index -> its output from that call
         self._wasted = 0  # group calls in a row whose outputs were not all taken
+        self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
         self._register()
         for i, m in enumerate(members):
             m._group, m._member = self, i
@@ -55,6 +57,8 @@ class FusedGroup(UnitRef):
         no longer fuses (the caller then calls its own unit)."""
         if not self.enabled:
             return None
+        if tracing():
+            return self._traced(member, x)
         if member in self._kept and self._x is x and self._state == _state(x):
             y = self._kept.pop(member)
             if not self._kept:
@@ -74,6 +78,21 @@ class FusedGroup(UnitRef):
         self._kept = {i: y for i, y in enumerate(ys) if i != member}
         self._x, self._state = x, _state(x)
         return ys[member]
+
+
+    def _traced(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """forward() while torch.compile traces: the group call is the custom op, and the outputs
+        the other members take are kept only until the end of the trace (a graph holds no state
+        between runs: what a member does not take within it is dropped)."""
+        kept = self._traced_kept
+        if kept is not None and kept[0] is x and member in kept[1]:
+            y = kept[1].pop(member)
+            if not kept[1]:
+                self._traced_kept = None  # (the compiled code would keep x alive otherwise)
+            return y
+        ys = unit_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
+        self._traced_kept = (x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
+        return ys[member].contiguous()
 
 
 def _state(x: torch.Tensor) -> tuple:

@@ -215,11 +215,11 @@ class VirtLayer(UnitRef, nn.Module):
 
 class VirtLinear(VirtLayer):
     """nn.Linear and GPT-2 Conv1D: y = x W^T + b at the executor (one call for the unit, or
-    a share of one call for its fused group; never fused while torch.compile traces)."""
+    a share of one call for its fused group, traced or not: client/fusion.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        if self._group is not None and not tracing():
+        if self._group is not None:
             y = self._group.forward(self._member, x)
             if y is not None:
                 return y

@@ -1,6 +1,6 @@
 """Sibling-call fusion: q/k/v and gate/up make one remote call forward and one backward, with
-the unfused results (logits bitwise, greedy tokens, LoRA gradients), against a real executor.
-(test_parity's compile test checks that a fused model still compiles to one graph.)"""
+the unfused results (logits bitwise, greedy tokens, LoRA gradients), against a real executor,
+eager and compiled."""
 from __future__ import annotations
 
 import collections
@@ -257,6 +257,45 @@ def test_members_called_with_other_inputs(executor):
     with torch.no_grad(), CallCount(executor.url) as count:
         assert torch.equal(virt(x).logits, ref(x).logits)
     assert count.of("layers.0.self_attn.q_proj") == 1 and count.of(f"layers.0.{QKV}") == 0 and count.of(f"layers.1.{QKV}") == 1
+
+
+def test_compiled_model_fuses(executor):
+    """While torch.compile traces, siblings fed the same tensor share one group call in the graph
+    (forward and backward), with no graph break, the unfused model's logits and LoRA gradients;
+    nothing traced is kept on the group once the graph has run."""
+    torch._dynamo.utils.counters.clear()
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    x = ids(1, 7)
+    compiled = torch.compile(virt, backend="aot_eager")
+    for _ in range(2):  # (the second run is the compiled code's, not the trace's)
+        with torch.no_grad(), CallCount(executor.url) as count:
+            assert torch.equal(compiled(x).logits, ref(x).logits)
+        assert count.members() == 0 and count.of(QKV) == LAYERS and count.of(GATE_UP) == LAYERS, count.calls
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert all(m.self_attn.q_proj._group._traced_kept is None for m in virt.model.layers)
+    ref_l, virt_l = _lora(build_builtin("tiny-llama"), ["q_proj", "v_proj"]), virtualize(_lora(build_builtin("tiny-llama"), ["q_proj", "v_proj"]), executor.url)
+    g = ids(2, 9, seed=4)
+    ref_l(input_ids=g, labels=g).loss.backward()
+    with CallCount(executor.url) as count:
+        torch.compile(virt_l, backend="aot_eager")(input_ids=g, labels=g).loss.backward()
+    assert count.members() == 0 and count.of(QKV) == 2 * LAYERS - 1, count.calls
+    assert_grads_close(lora_grads(ref_l), lora_grads(virt_l))
+
+
+def test_compiled_members_called_with_other_inputs(executor):
+    """Traced, siblings fed different inputs get the unfused results too."""
+    ref = build_builtin("tiny-llama")
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    attn, attn_ref = virt.model.layers[0].self_attn, ref.model.layers[0].self_attn
+
+    def three(m, a, b):
+        return m.q_proj(a), m.k_proj(b), m.v_proj(b), m.k_proj(a)
+
+    a, b = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        got = torch.compile(three, backend="aot_eager", fullgraph=True)(attn, a, b)
+        for g, w in zip(got, three(attn_ref, a, b)):
+            assert torch.equal(g, w)
 
 
 def test_outputs_are_separate_tensors(executor):
