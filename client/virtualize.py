@@ -97,6 +97,20 @@ def _confirming(transport):
     return hook
 
 
+def _compile_without_cuda_graphs(model: nn.Module) -> None:
+    """generate() compiles the model's forward itself for a static cache, in mode reduce-overhead
+    (CUDA graphs) unless its generation config says otherwise. A tenant's calls stay out of CUDA
+    graphs (client/shim.py) and split them; mode default decodes faster
+    (benchmarks/RESULTS.md, S1 decode with torch.compile): it becomes the model's default. A
+    compile_config already set stays."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None or getattr(gen, "compile_config", True) is not None:
+        return
+    from transformers import CompileConfig
+
+    gen.compile_config = CompileConfig(mode="default")
+
+
 def virtualize(
     model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True, whole_mlp: bool = True
 ) -> nn.Module:
@@ -107,7 +121,8 @@ def virtualize(
     gated MLP block (Llama, Mistral, Qwen2, Gemma) none of whose Linears has an adapter is one
     call forward and one backward (client/whole_mlp.py), when the executor serves it so.
 
-    Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
+    The model's generation config gets compile mode "default" (no CUDA graphs) unless it has
+    one. Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
     config field or unit that differs from the served model (the model is then unchanged).
     """
@@ -166,6 +181,7 @@ def virtualize(
         serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transport))
+    _compile_without_cuda_graphs(root)
     del plan, shims
     gc.collect()
     return model

@@ -365,22 +365,27 @@ def test_a_call_from_a_thread_without_cuda_work():
         conn.close()
 
 
-def test_compiled_generate_with_a_static_cache():
-    """generate() with a static cache compiles the model's forward itself, in mode
-    "reduce-overhead" (CUDA graphs). A graph replay would skip a call's host work, so the unit
-    call is tagged cudagraph_unsafe and stays out of the graphs: the tenant's greedy tokens are
-    the unsplit model's, token for token, on prompts after the first (replays)."""
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_generate_with_a_static_cache(mode):
+    """generate() with a static cache compiles the model's forward itself: in mode default, which
+    virtualize() sets, or in mode reduce-overhead (CUDA graphs) when asked. A graph replay would
+    skip a call's host work, so the unit call is tagged cudagraph_unsafe and stays out of the
+    graphs: the tenant's greedy tokens are the unsplit model's, token for token, on prompts after
+    the first (replays)."""
+    from transformers import CompileConfig
+
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.reset()
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         ref = build_builtin("tiny-llama").cuda()
         virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
         kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+        asked = {} if mode is None else dict(compile_config=CompileConfig(mode=mode))
         torch._dynamo.utils.counters.clear()
         for seed in range(3):
             x = ids(1, 9, seed=seed).cuda()
             want = ref.generate(x, disable_compile=True, **kw)
-            assert torch.equal(virt.generate(x, **kw), want), seed
+            assert torch.equal(virt.generate(x, **kw, **asked), want), seed
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # (it did compile)
         assert torch.Tag.cudagraph_unsafe in torch.ops.symbiont.unit_call.default.tags
 
