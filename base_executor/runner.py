@@ -90,7 +90,7 @@ def act_backward_of(act, dtype: torch.dtype):
     """The backward op of activation `act` among _ACT_BACKWARDS, found by a probe: the one whose
     result is bitwise what autograd gives through act; None when none is."""
     gen = torch.Generator().manual_seed(0)
-    x, g = (3 * torch.randn(4, 64, generator=gen)).to(dtype), torch.randn(4, 64, generator=gen).to(dtype)
+    x, g = (4 * torch.randn(16, 256, generator=gen)).to(dtype), torch.randn(16, 256, generator=gen).to(dtype)
     with torch.enable_grad():
         xr = x.clone().requires_grad_()
         (want,) = torch.autograd.grad(act(xr), xr, g)

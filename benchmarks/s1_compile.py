@@ -6,8 +6,7 @@ of the unsplit model and of the tenant, each eager and compiled, side by side in
 Variants, for both models: `eager` (generate's own compilation off); `compiled` (generate
 compiles the forward itself, as it does for any static cache on a GPU, in mode "reduce-overhead":
 CUDA graphs, which the tenant's unit calls stay out of: they do host work a replay would skip);
-`compiled, no CUDA graphs` (mode "default", what virtualize() makes a tenant's generate use
-unless told otherwise). Each compiled variant is its own copy of the model
+`compiled, no CUDA graphs` (mode "default", asked for with generate's compile_config). Each compiled variant is its own copy of the model
 (generate keeps one compiled forward per model). The executor is a real `base-executor serve`
 process on the same GPU (start CUDA MPS first). Calls per token are the executor's count.
 

@@ -10,13 +10,15 @@ runs a node once, when all its outputs' gradients are in.
 
 Fusion never changes what a member returns, only how many calls it takes: a member called with
 another input makes a fresh group call, and a group whose kept outputs keep going unused (its
-members read different inputs) stops fusing and calls per unit. While `torch.compile` traces, the
-group call is the custom op (client/shim.py) and the kept outputs live only within the trace:
-siblings fed the same traced tensor share one call in the graph.
+members read different inputs) stops fusing and calls per unit. While `torch.compile` traces the
+members' parent module (q/k/v's attention, gate/up's MLP block), the group call is the custom op
+(client/shim.py) and the kept outputs live only until that forward returns (FusionScope):
+siblings fed the same traced tensor share one call in the graph, and no state outlives it.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records, tracing, unit_call
 from proto import executor_pb2 as pb
@@ -43,6 +45,7 @@ class FusedGroup(UnitRef):
         self._kept: dict[int, torch.Tensor] = {}  # member index -> its output from that call
         self._wasted = 0  # group calls in a row whose outputs were not all taken
         self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
+        self._scope_open = False  # while torch.compile traces the members' parent's forward (FusionScope)
         self._register()
         for i, m in enumerate(members):
             m._group, m._member = self, i
@@ -80,19 +83,41 @@ class FusedGroup(UnitRef):
         return ys[member]
 
 
-    def _traced(self, member: int, x: torch.Tensor) -> torch.Tensor:
+    def _traced(self, member: int, x: torch.Tensor) -> torch.Tensor | None:
         """forward() while torch.compile traces: the group call is the custom op, and the outputs
-        the other members take are kept only until the end of the trace (a graph holds no state
-        between runs: what a member does not take within it is dropped)."""
+        the other members take are kept only while the trace is inside the forward of the
+        members' parent (FusionScope), which drops them as it returns: what Dynamo leaves on the
+        group once the compiled code has run is None. A member called outside that forward
+        calls its own unit (None)."""
+        if not self._scope_open:
+            return None
         kept = self._traced_kept
         if kept is not None and kept[0] is x and member in kept[1]:
-            y = kept[1].pop(member)
-            if not kept[1]:
-                self._traced_kept = None  # (the compiled code would keep x alive otherwise)
-            return y
+            return kept[1].pop(member)
         ys = unit_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
         self._traced_kept = (x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
         return ys[member].contiguous()
+
+
+class FusionScope:
+    """Mixin placed first in the class of a module whose children make fused groups: while
+    torch.compile traces its forward, its groups fuse, and what they keep lives until it returns."""
+
+    _fusion_groups: tuple[FusedGroup, ...] = ()
+
+    def forward(self, *args, **kwargs):
+        if not tracing():
+            return super().forward(*args, **kwargs)
+        for g in self._fusion_groups:
+            g._scope_open, g._traced_kept = True, None
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            for g in self._fusion_groups:
+                g._scope_open, g._traced_kept = False, None
+
+
+_SCOPES: dict[type, type] = {}
 
 
 def _state(x: torch.Tensor) -> tuple:
@@ -132,12 +157,26 @@ def _split(x: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
     return g._remote(x, pb.FORWARD, take)
 
 
-def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer]) -> list[FusedGroup]:
+def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer], root: nn.Module) -> list[FusedGroup]:
     """Links each advertised group to its members' shims; a group some member of which has no
-    shim (or a shim of another kind) is left out, and those members call per unit."""
+    shim (or a shim of another kind) is left out, and those members call per unit. The members'
+    parent module (in `root`) becomes a FusionScope for the group."""
     made = []
     for unit in groups:
         members = [shims.get(m) for m in unit.members]
-        if unit.kind == "linear" and all(m is not None and m._kind == "linear" for m in members):
-            made.append(FusedGroup(unit, members))
+        if not (unit.kind == "linear" and all(m is not None and m._kind == "linear" for m in members)):
+            continue
+        group = FusedGroup(unit, members)
+        made.append(group)
+        try:
+            parent = root.get_submodule(unit.members[0].rpartition(".")[0])
+        except AttributeError:
+            continue  # (traced, its members then call per unit)
+        cls = type(parent)
+        if not issubclass(cls, FusionScope):
+            if cls not in _SCOPES:
+                name = cls.__name__ if cls.__name__.startswith("Virt") else f"Virt{cls.__name__}"  # (a served MLP block's is)
+                _SCOPES[cls] = type(name, (FusionScope, cls), {"__module__": __name__})
+            parent.__class__ = _SCOPES[cls]
+        parent._fusion_groups = parent._fusion_groups + (group,)
     return made

@@ -11,6 +11,7 @@ read one input (q/k/v, gate/up) may share one call: see client/fusion.py.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 
 import torch
@@ -69,6 +70,11 @@ _IDS = itertools.count(1)
 # a call does host work (the request, the doorbell): a CUDA graph replay would skip it, so
 # torch.compile's CUDA graphs (mode="reduce-overhead") must leave the op out of theirs
 _NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+if not _NOT_IN_CUDA_GRAPHS:
+    warnings.warn(
+        f"torch {torch.__version__} has no cudagraph_unsafe tag: a model compiled with CUDA graphs (torch.compile "
+        "mode 'reduce-overhead', or generate() with a static cache) would replay symbiont calls without sending "
+        "them; compile with mode 'default'", RuntimeWarning, stacklevel=2)
 
 
 @torch.library.custom_op("symbiont::unit_call", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)

@@ -97,20 +97,6 @@ def _confirming(transport):
     return hook
 
 
-def _compile_without_cuda_graphs(model: nn.Module) -> None:
-    """generate() compiles the model's forward itself for a static cache, in mode reduce-overhead
-    (CUDA graphs) unless its generation config says otherwise. A tenant's calls stay out of CUDA
-    graphs (client/shim.py) and split them; mode default decodes faster
-    (benchmarks/RESULTS.md, S1 decode with torch.compile): it becomes the model's default. A
-    compile_config already set stays."""
-    gen = getattr(model, "generation_config", None)
-    if gen is None or getattr(gen, "compile_config", True) is not None:
-        return
-    from transformers import CompileConfig
-
-    gen.compile_config = CompileConfig(mode="default")
-
-
 def virtualize(
     model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True, whole_mlp: bool = True
 ) -> nn.Module:
@@ -121,8 +107,7 @@ def virtualize(
     gated MLP block (Llama, Mistral, Qwen2, Gemma) none of whose Linears has an adapter is one
     call forward and one backward (client/whole_mlp.py), when the executor serves it so.
 
-    The model's generation config gets compile mode "default" (no CUDA graphs) unless it has
-    one. Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
+    Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
     config field or unit that differs from the served model (the model is then unchanged).
     """
@@ -175,13 +160,12 @@ def virtualize(
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
-    if fuse:
-        fuse_siblings([u for u in catalog.units if u.members], shims)
-    if whole_mlp:
+    if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass)
         serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
+    if fuse:
+        fuse_siblings([u for u in catalog.units if u.members], shims, root)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transport))
-    _compile_without_cuda_graphs(root)
     del plan, shims
     gc.collect()
     return model

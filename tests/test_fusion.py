@@ -14,7 +14,7 @@ from base_executor.catalog import UnitTable
 from base_executor.models import build_builtin
 from client import connect
 from client import virtualize as _virtualize
-from client.fusion import WASTE_LIMIT
+from client.fusion import WASTE_LIMIT, FusionScope
 from proto import executor_pb2 as pb
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads
 
@@ -272,7 +272,7 @@ def test_compiled_model_fuses(executor):
             assert torch.equal(compiled(x).logits, ref(x).logits)
         assert count.members() == 0 and count.of(QKV) == LAYERS and count.of(GATE_UP) == LAYERS, count.calls
     assert not torch._dynamo.utils.counters["graph_break"]
-    assert all(m.self_attn.q_proj._group._traced_kept is None for m in virt.model.layers)
+    assert all(m.self_attn.q_proj._group._traced_kept is None and not m.self_attn.q_proj._group._scope_open for m in virt.model.layers)
     ref_l, virt_l = _lora(build_builtin("tiny-llama"), ["q_proj", "v_proj"]), virtualize(_lora(build_builtin("tiny-llama"), ["q_proj", "v_proj"]), executor.url)
     g = ids(2, 9, seed=4)
     ref_l(input_ids=g, labels=g).loss.backward()
@@ -283,7 +283,9 @@ def test_compiled_model_fuses(executor):
 
 
 def test_compiled_members_called_with_other_inputs(executor):
-    """Traced, siblings fed different inputs get the unfused results too."""
+    """Traced, siblings fed different inputs get the unfused results too; members called outside
+    their parent's forward call per unit, and nothing is kept from one run to the next (the
+    input changed in place between runs)."""
     ref = build_builtin("tiny-llama")
     virt = virtualize(build_builtin("tiny-llama"), executor.url)
     attn, attn_ref = virt.model.layers[0].self_attn, ref.model.layers[0].self_attn
@@ -292,10 +294,33 @@ def test_compiled_members_called_with_other_inputs(executor):
         return m.q_proj(a), m.k_proj(b), m.v_proj(b), m.k_proj(a)
 
     a, b = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    compiled = torch.compile(three, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
-        got = torch.compile(three, backend="aot_eager", fullgraph=True)(attn, a, b)
-        for g, w in zip(got, three(attn_ref, a, b)):
-            assert torch.equal(g, w)
+        for _ in range(2):
+            with CallCount(executor.url) as count:
+                got = compiled(attn, a, b)
+            for g, w in zip(got, three(attn_ref, a, b)):
+                assert torch.equal(g, w)
+            assert count.of(QKV) == 0 and count.members() == 4, count.calls
+            assert attn.q_proj._group._traced_kept is None
+            a.mul_(2)
+
+    class Calls(nn.Module):  # the same calls inside a parent's forward, where the group fuses
+        def forward(self, a, b):
+            return three(attn, a, b)
+
+    scoped = type("ScopedCalls", (FusionScope, Calls), {})()
+    scoped._fusion_groups = (attn.q_proj._group,)
+    compiled = torch.compile(scoped, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            with CallCount(executor.url) as count:
+                got = compiled(a, b)
+            for g, w in zip(got, three(attn_ref, a, b)):
+                assert torch.equal(g, w)
+            assert count.of(QKV) == 3 and count.members() == 0, count.calls  # a, b, a again
+            assert attn.q_proj._group._traced_kept is None
+            a.mul_(2)
 
 
 def test_outputs_are_separate_tensors(executor):

@@ -105,18 +105,6 @@ def test_shim_compiles_in_one_graph(executor):
     torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
 
 
-def test_generate_compiles_without_cuda_graphs(executor):
-    """generate() would compile a static-cache decode in mode reduce-overhead (CUDA graphs, which
-    a tenant's calls split): virtualize() makes mode default the model's own, unless it has one."""
-    from transformers import CompileConfig
-
-    virt = virtualize(build_builtin("tiny-llama"), executor.url)
-    assert virt.generation_config.compile_config.mode == "default"
-    mine = build_builtin("tiny-llama")
-    mine.generation_config.compile_config = CompileConfig(mode="max-autotune")
-    assert virtualize(mine, executor.url).generation_config.compile_config.mode == "max-autotune"
-
-
 def test_model_to_moves_placeholders_but_not_dtype(executor):
     virt = virtualize(build_builtin("tiny-llama"), executor.url)
     virt.to("cpu")
