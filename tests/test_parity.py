@@ -88,23 +88,6 @@ def test_shim_is_instance_of_replaced_class(executor_for):
     assert isinstance(virt.transformer.wte, torch.nn.Embedding)
 
 
-def test_shim_compiles_in_one_graph(executor):
-    """The shim is a custom op with a fake implementation: dynamo captures it without a graph
-    break, forward and backward, and the compiled layer gives the eager result."""
-    virt = virtualize(build_builtin("tiny-llama"), executor.url, whole_mlp=False)
-    mlp = virt.model.layers[1].mlp  # gate/up/down shims around a local activation (a whole-MLP
-    # call compiles too: tests/test_whole_mlp.py)
-    x = torch.randn(3, 5, 64, requires_grad=True)
-    compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
-    y = compiled(x)
-    (gx,) = torch.autograd.grad(y.square().sum(), x)
-    x2 = x.detach().clone().requires_grad_(True)
-    y2 = mlp(x2)
-    (gx2,) = torch.autograd.grad(y2.square().sum(), x2)
-    assert torch.equal(y, y2)
-    torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
-
-
 def test_model_to_moves_placeholders_but_not_dtype(executor):
     virt = virtualize(build_builtin("tiny-llama"), executor.url)
     virt.to("cpu")

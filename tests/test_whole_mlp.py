@@ -195,7 +195,8 @@ def test_hooks_and_a_new_activation_call_per_linear(executor):
 def test_compiled_block_is_one_call(executor):
     """While torch.compile traces, the whole call is the custom op: the compiled block makes one
     call forward and one backward (with the input again), with the eager whole call's results;
-    with whole-MLP calls off it compiles to per-Linear calls (gate/up fused)."""
+    with whole-MLP calls off it compiles to per-Linear calls (gate/up fused). Either way the calls
+    are custom ops with fake implementations, so dynamo captures the block in one graph."""
     for whole in (True, False):
         virt = virtualize(build_builtin("tiny-llama"), executor.url, whole_mlp=whole)
         mlp = virt.model.layers[1].mlp
