@@ -323,6 +323,21 @@ def test_compiled_members_called_with_other_inputs(executor):
             a.mul_(2)
 
 
+def test_attention_outputs_through_a_fusion_scope(executor):
+    """The attention module made a FusionScope is still what transformers looks for: its
+    attention weights are recorded (output_attentions) as the unsplit model's."""
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    assert isinstance(virt.model.layers[0].self_attn, FusionScope)
+    for m in (ref, virt):
+        m.config._attn_implementation = "eager"
+    x = ids(1, 7)
+    with torch.no_grad():
+        want, got = ref(x, output_attentions=True).attentions, virt(x, output_attentions=True).attentions
+    assert len(got) == len(want) == LAYERS
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_outputs_are_separate_tensors(executor):
     """Each member gets its own contiguous tensor, as from its own call: an in-place change of
     one (PEFT's mixed-adapter batches add into the base output) leaves its siblings and their
