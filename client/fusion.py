@@ -82,7 +82,6 @@ class FusedGroup(UnitRef):
         self._x, self._state = x, _state(x)
         return ys[member]
 
-
     def _traced(self, member: int, x: torch.Tensor) -> torch.Tensor | None:
         """forward() while torch.compile traces: the group call is the custom op, and the outputs
         the other members take are kept only while the trace is inside the forward of the

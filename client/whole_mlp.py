@@ -6,9 +6,10 @@ of the tenant's model an instance of a subclass of its class whose forward calls
 gate/up/down shims stay its children, so PEFT still finds and wraps them. The moment one of them
 is wrapped (an adapter), hooked, or its act_fn replaced, the block runs its own forward again: one
 call per (fused) Linear. While torch.compile traces, the whole call is the custom op
-`symbiont::unit_call` on the MLP unit (client/shim.py), so a compiled block is one call too. Forward is the block's own ops at the executor. Backward sends the block's
-input beside grad_y, and the executor recomputes the block (it keeps nothing between calls); the
-tenant keeps only the input, where the unsplit block keeps its gate, up and activation outputs.
+`symbiont::unit_call` on the MLP unit (client/shim.py), so a compiled block is one call too.
+Forward is the block's own ops at the executor. Backward sends the block's input beside grad_y,
+and the executor recomputes the block (it keeps nothing between calls); the tenant keeps only the
+input, where the unsplit block keeps its gate, up and activation outputs.
 """
 from __future__ import annotations
 
