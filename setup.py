@@ -1,5 +1,5 @@
 """Builds the pybind11 extensions `proto._doorbell` (csrc/doorbell.cpp) and `proto._stream_ops`
-(csrc/stream_ops.cpp); everything else is in pyproject.toml."""
+(csrc/stream_ops.cpp), which share csrc/shm.h; everything else is in pyproject.toml."""
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -8,12 +8,14 @@ setup(
         Pybind11Extension(
             "proto._doorbell",
             ["csrc/doorbell.cpp"],
+            depends=["csrc/shm.h"],
             cxx_std=17,
             extra_compile_args=["-O3"],
         ),
         Pybind11Extension(
             "proto._stream_ops",
             ["csrc/stream_ops.cpp"],
+            depends=["csrc/shm.h"],
             cxx_std=17,
             extra_compile_args=["-O3"],
             libraries=["dl"],

@@ -40,8 +40,9 @@ class Transport(abc.ABC):
         """Sets up the data plane from the attach reply (map mailboxes, open streams)."""
 
     @abc.abstractmethod
-    def _call(self, request: pb.CallRequest, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, take=None):
-        """Carries one call and returns the result as a fresh tensor; raises on a non-OK status.
+    def _call(self, unit: str, op: int, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, latency: int, take=None):
+        """Carries one call (under the lock) and returns the result as a fresh tensor; raises on a
+        non-OK status. x is the caller's tensor, as given (any strides; it may require grad).
         take: None, or a function given the result in place (valid only during the call) whose
         return value, fresh tensors made from it, is returned instead."""
 
@@ -100,13 +101,16 @@ class Transport(abc.ABC):
             raise InvalidCallError(f"unit {unit!r} takes a tensor, got {type(x).__name__}")
         if x.dim() == 0:
             raise InvalidCallError(f"unit {unit!r} takes a tensor with at least one dimension, got a scalar")
-        req = pb.CallRequest(unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency)
+        codec.dtype_enum(x.dtype)  # (raises for a dtype no unit takes)
         if math.prod(out_shape) == 0:
             y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
             return y if take is None else take(y)
         with self._lock:
-            req.call_id = next(self._ids)
-            return self._call(req, x.detach().contiguous(), out_shape, out_dtype, take)
+            return self._call(unit, op, x, tuple(out_shape), out_dtype, latency, take)
+
+    def _request(self, unit: str, op: int, x: torch.Tensor, latency: int, call_id: int = 0) -> pb.CallRequest:
+        """The CallRequest of a call of `op` of `unit` on x (call_id 0: the fields every such call shares)."""
+        return pb.CallRequest(call_id=call_id, unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency)
 
     def confirm(self) -> None:
         """Waits until the executor has answered every call made so far and raises the first

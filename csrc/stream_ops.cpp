@@ -10,6 +10,9 @@
 //                                         everything queued on the stream before it
 //   wait_word(stream, address, value)     cuStreamWaitValue32, GEQ: the stream waits until
 //                                         (int32)(word - value) >= 0, a cyclic comparison
+//   Lane                                  one mailbox's same-GPU call in one native call: copies the
+//                                         input in, writes the input word, pushes the request, rings
+//                                         the executor and queues the wait for the output word
 //
 // The driver (libcuda.so.1) is opened at first use, so the module builds and imports on machines
 // without CUDA; available() says whether it could be opened. The GIL is released around each
@@ -17,6 +20,8 @@
 // The slow twin of each is in proto/cuda_ipc.py (ctypes).
 
 #include <pybind11/pybind11.h>
+
+#include "shm.h"
 
 #include <dlfcn.h>
 
@@ -133,6 +138,70 @@ void wait_word(uintptr_t stream, uintptr_t address, uint32_t value) {
   check(rc, "cuStreamWaitValue32");
 }
 
+// The same-GPU call of client/transports/local.py on one mailbox, its steps in one native call (the
+// Python steps it stands for cost ~50 us of host time per call: benchmarks/RESULTS.md). The
+// request is the call's fixed fields serialised once (`header`, a CallRequest without call_id and
+// input_seq) followed by those two as protobuf varint fields, which a parser takes in any order.
+class Lane {
+ public:
+  Lane(py::object mailbox, size_t ring_offset, uint32_t nslots, uint32_t slot_size, py::object wake, uintptr_t dst,
+       uintptr_t input_word, uintptr_t output_word, int device)
+      : requests_(mailbox, ring_offset, nslots, slot_size), wake_(wake, 0), dst_(dst), input_word_(input_word),
+        output_word_(output_word), device_(device) {}
+
+  // Queues on `stream`: the copy of nbytes at src into the data area's start, the input word's
+  // write of seq; then pushes the request and rings the executor, and queues the stream's wait for
+  // the output word to reach seq. Returns 0; -1 when the request ring is full (nothing was done);
+  // 1 when the request went but the wait could not be queued. Raises when the copy or the write
+  // fails (the request did not go).
+  int send(uintptr_t src, size_t nbytes, uintptr_t stream, const py::bytes& header, uint64_t call_id, uint32_t seq) {
+    const Driver& d = driver();
+    ensure_context(d, device_);
+    char* head = nullptr;
+    Py_ssize_t head_len = 0;
+    PyBytes_AsStringAndSize(header.ptr(), &head, &head_len);
+    uint8_t tail[2 + 10 + 1 + 5];
+    size_t n = 0;
+    tail[n++] = 0x08;  // field 1 (call_id), varint
+    n = put_varint(tail, n, call_id);
+    tail[n++] = 0x50;  // field 10 (input_seq), varint
+    n = put_varint(tail, n, seq);
+    if (static_cast<size_t>(head_len) + n > requests_.max_message()) {
+      throw std::length_error("request of " + std::to_string(head_len + n) + " bytes exceeds a ring slot");
+    }
+    if (requests_.full()) return -1;
+    CUresult rc = 0;
+    const char* failed = nullptr;
+    {
+      py::gil_scoped_release release;
+      if (nbytes && (rc = d.memcpy_async(dst_, src, nbytes, as_stream(stream))) != 0) failed = "cuMemcpyAsync";
+      if (!failed && (rc = d.write_value32(as_stream(stream), input_word_, seq, 0)) != 0) failed = "cuStreamWriteValue32";
+      if (!failed) {
+        requests_.push_parts(reinterpret_cast<const uint8_t*>(head), static_cast<size_t>(head_len), tail, n);
+        wake_.ring(/*wake_always=*/true);
+        rc = d.wait_value32(as_stream(stream), output_word_, seq, 0 /* GEQ */);
+      }
+    }
+    if (failed) check(rc, failed);
+    return rc == 0 ? 0 : 1;
+  }
+
+ private:
+  static size_t put_varint(uint8_t* buf, size_t n, uint64_t v) {
+    while (v >= 0x80) {
+      buf[n++] = static_cast<uint8_t>(v | 0x80);
+      v >>= 7;
+    }
+    buf[n++] = static_cast<uint8_t>(v);
+    return n;
+  }
+
+  symbiont_shm::Ring requests_;
+  symbiont_shm::Doorbell wake_;
+  uintptr_t dst_, input_word_, output_word_;
+  int device_;
+};
+
 bool available() {
   try {
     driver();
@@ -150,4 +219,10 @@ PYBIND11_MODULE(_stream_ops, m) {
   m.def("copy", &copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("device"));
   m.def("write_word", &write_word, py::arg("stream"), py::arg("address"), py::arg("value"));
   m.def("wait_word", &wait_word, py::arg("stream"), py::arg("address"), py::arg("value"));
+  py::class_<Lane>(m, "Lane")
+      .def(py::init<py::object, size_t, uint32_t, uint32_t, py::object, uintptr_t, uintptr_t, uintptr_t, int>(),
+           py::arg("mailbox"), py::arg("ring_offset"), py::arg("nslots"), py::arg("slot_size"), py::arg("wake"),
+           py::arg("dst"), py::arg("input_word"), py::arg("output_word"), py::arg("device"))
+      .def("send", &Lane::send, py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("header"),
+           py::arg("call_id"), py::arg("seq"));
 }

@@ -183,6 +183,12 @@ def _load_native():
 _native = _load_native()  # proto._stream_ops, where it is built and the driver is there
 
 
+def native_ops():
+    """proto._stream_ops where it is built and the CUDA driver is there (its Lane is the same-GPU
+    call path of client/transports/local.py), else None."""
+    return _native
+
+
 def reached(word: int, value: int) -> bool:
     """The host's reading of stream_wait's condition."""
     return (word - value) & 0xFFFFFFFF < 0x80000000

@@ -80,6 +80,38 @@ def test_same_gpu_calls_that_wait_for_their_replies():
         conn.close()
 
 
+def test_native_call_path_equals_the_python_one():
+    """Same GPU: a call's steps in one native call (proto._stream_ops.Lane) and the same steps from
+    Python give bitwise the same logits, tokens and LoRA gradients; the native path is taken."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        from client import connect
+
+        conn = connect(ex.url)
+        t = conn.transport
+        x = ids(2, 13).cuda()
+        virt = virtualize(build_builtin("tiny-llama").cuda(), conn)
+        lora = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), conn)
+        assert t._lane is not None, "the same-GPU mailbox got no native call path"
+        native = []
+        send = t._send
+        t._send = lambda *a: native.append(1) or send(*a)
+        got = {}
+        for t.native_calls in (True, False):
+            n = len(native)
+            with torch.no_grad():
+                logits = virt(x).logits
+            tokens = virt.generate(x[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            lora.zero_grad()
+            lora(input_ids=x, labels=x).loss.backward()
+            got[t.native_calls] = (logits, tokens, lora_grads(lora), len(native) - n)
+        assert got[True][3] > 0 and got[False][3] == 0 and got[True][2]
+        assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+        for name, g in got[True][2].items():
+            assert torch.equal(g, got[False][2][name]), name
+        conn.close()
+
+
 def test_two_placements_at_once():
     """A CPU tenant and a same-GPU tenant of one executor, concurrently, both exact."""
     import threading

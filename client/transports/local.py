@@ -12,6 +12,8 @@ mapped) a call waits for its reply.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from client.errors import (
     ExecutorUnavailableError,
@@ -21,16 +23,27 @@ from client.errors import (
 )
 from client.transport import Transport
 from client.transports.control import ControlChannel
-from client.transports.unanswered import Sent, Unanswered, call_name, reply_error
+from client.transports.unanswered import Sent, Unanswered, reply_error
 from client.transports.words import StreamOrder, start_watchdog
 from proto import codec, mailbox, urls
 from proto.procs import alive
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """What every call of one unit, op, input shape and dtype shares on one mailbox."""
+
+    header: bytes  # its CallRequest without call_id and input_seq, serialised
+    in_nbytes: int  # the input's bytes, at the data area's start
+    out: torch.Tensor  # where its result lands: a view of the data area
+
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 MAX_UNANSWERED = 32  # calls sent before the replies of some are waited for (the rings hold 64)
+TAKE_EVERY = 16  # a native call takes the replies that came once this many calls are unanswered
+MAX_PLANS = 256  # call plans kept per mailbox (sequence lengths vary)
 
 
 class LocalTransport(Transport):
@@ -49,6 +62,9 @@ class LocalTransport(Transport):
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
+        self.native_calls = True  # same GPU: a call's steps in one native call where it can (False: each from Python)
+        self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
+        self._plans: dict[tuple, Plan] = {}  # of the mailbox
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -85,6 +101,8 @@ class LocalTransport(Transport):
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
+        self._plans = {}
+        self._lane = _lane(box, order, self._wake_mem) if order is not None and order.out_word else None
         self._unanswered.bind(box, order)
         if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
             self._watchdog = start_watchdog(self)
@@ -96,7 +114,7 @@ class LocalTransport(Transport):
             if self._unanswered.busy or box.detached or not self._executor_alive():
                 order.release_all(self._unanswered)  # no result may come for the calls our GPU waits for
         self._unanswered.bind(None)  # (the watchdog no longer touches the mailbox)
-        self._order = None
+        self._order, self._lane, self._plans = None, None, {}  # (the lane holds the mailbox's and wake word's buffers)
         if order is not None:
             order.close(box)
         if box is not None:
@@ -112,7 +130,7 @@ class LocalTransport(Transport):
         want = min(max(need, 2 * self._data_bytes), self._max_data)
         self._map(self.control("grow", pb.GrowRequest(data_bytes=want)).grow)
 
-    def _call(self, request, x, out_shape, out_dtype, take=None):
+    def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
         if self._box is None:
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
         if self._box.detached:
@@ -121,14 +139,21 @@ class LocalTransport(Transport):
             self._executor_gone(self._gone)
         if self._outstanding:  # an interrupted call is still running there: it is finished first
             self._finish_outstanding()
-        if self._unanswered.busy:  # the replies that came; raises an earlier call's failure
+        unanswered = self._unanswered
+        native = self._lane is not None and self.native_calls and self.return_early and x.device == self._order.device
+        if native:  # replies are taken every TAKE_EVERY calls; a failure the watchdog took is raised now
+            if unanswered.failure is not None or unanswered.failed:
+                self._collect()
+        elif unanswered.busy:  # the replies that came; raises an earlier call's failure
             elsewhere = self._order is not None and x.device != self._order.device
             self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
-        in_bytes = mailbox.align(x.numel() * x.element_size())
-        need = in_bytes + codec.nbytes(out_shape, out_dtype)
-        if need > self._data_bytes:
-            self._collect(keep=0)  # the grown mailbox replaces this one: every call on it answered first
-            self._grow(need)
+        key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
+        plan = self._plans.get(key) or self._plan(key, x)  # (a grow maps another mailbox)
+        if native and self._lane is not None:
+            return self._send(x, plan, key, take)
+        x = x.detach().contiguous()
+        request = self._request(unit, op, x, latency, next(self._ids))
+        in_bytes = mailbox.align(plan.in_nbytes)
         box, order = self._box, self._order
         request.in_offset, request.out_offset = 0, in_bytes
         area = order.region if order is not None else box
@@ -167,8 +192,7 @@ class LocalTransport(Transport):
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
         if early:  # (the copy out is queued behind the wait)
-            y = order.region.view(request.out_offset, out_shape, out_dtype)
-            result = y.clone() if take is None else take(y)  # (clone: S6 pieces, faster than empty + copy_async)
+            result = plan.out.clone() if take is None else take(plan.out)  # (clone: S6 pieces, faster than empty + copy_async)
             if len(self._unanswered) >= MAX_UNANSWERED:
                 self._collect(keep=MAX_UNANSWERED // 2)
             return result
@@ -177,7 +201,7 @@ class LocalTransport(Transport):
         except BaseException:
             self._set_outstanding(request.call_id, seq)  # its late result would land on the next call's bytes
             raise
-        failure = reply_error(reply, call_name(request.unit, request.op), out_shape, out_dtype)
+        failure = reply_error(reply, request.unit, request.op, out_shape, out_dtype)
         if failure is not None:
             if reply.status.code != pb.OK:
                 self._release_failed(request.call_id, seq)
@@ -189,6 +213,53 @@ class LocalTransport(Transport):
             y = y.to(x.device) if order is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)
         return y.clone() if take is None else take(y)  # in place in the mailbox: copied out
+
+    def _plan(self, key: tuple, x: torch.Tensor) -> Plan:
+        """The plan of the calls of `key` on this mailbox, made once (after growing the data area
+        when it cannot hold their input and result)."""
+        unit, op, _, dtype, latency, out_shape, out_dtype = key
+        in_nbytes = x.numel() * x.element_size()
+        out_offset = mailbox.align(in_nbytes)
+        need = out_offset + codec.nbytes(out_shape, out_dtype)
+        if need > self._data_bytes:
+            self._collect(keep=0)  # the grown mailbox replaces this one: every call on it answered first
+            self._grow(need)
+        header = self._request(unit, op, x, latency)
+        header.out_offset = out_offset
+        area = self._order.region if self._order is not None else self._box
+        plan = Plan(header.SerializeToString(), in_nbytes, area.view(out_offset, out_shape, out_dtype))
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _send(self, x: torch.Tensor, plan: Plan, key: tuple, take):
+        """A same-GPU call from our GPU in one native call (proto._stream_ops.Lane): the copy in,
+        the input word, the request, the executor's doorbell, and our stream's wait for the
+        result; then the copy out, queued behind that wait. Its reply is taken later."""
+        order, unanswered = self._order, self._unanswered
+        if not x.is_contiguous():
+            x = x.contiguous()
+        stream = order.current_stream()
+        if stream != order.stream:
+            order.follow(stream)
+        seq = order.seq = order.seq % 0xFFFFFFFF + 1  # (never 0, which means "no word")
+        call_id = next(self._ids)
+        unanswered.add(Sent(call_id, seq, key[0], key[1], key[5], key[6]))
+        try:
+            rc = self._lane.send(x.data_ptr(), plan.in_nbytes, stream, plan.header, call_id, seq)
+            if rc < 0:
+                raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+        except BaseException:  # not sent: its output word is still written, in call order
+            unanswered.forget(call_id)
+            self._release_failed(call_id, seq)
+            raise
+        if rc:  # sent, but the wait for its result was not queued (its reply is taken later)
+            order.wait_result(stream, seq)
+        result = plan.out.clone() if take is None else take(plan.out)
+        if len(unanswered) >= TAKE_EVERY:
+            self._collect(keep=MAX_UNANSWERED // 2 if len(unanswered) >= MAX_UNANSWERED else None)
+        return result
 
     def _set_outstanding(self, call_id: int, seq: int) -> None:
         """A call was sent but its reply is not taken: the next call (or confirm) finishes it."""
@@ -259,3 +330,15 @@ class LocalTransport(Transport):
         if self.tenant_id == 0:
             self._channel.close()
             self._executor_pid = self._channel.executor_pid = 0  # (a restarted executor has another)
+
+
+def _lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem):
+    """The native call path of a mailbox whose calls order on our GPU by words, where the native
+    stream operations are built and the CUDA driver is there (else None)."""
+    from proto.cuda_ipc import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        return None
+    return ops.Lane(box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, wake_mem,
+                    order.region.ptr, order.words, order.out_word, order.device.index)

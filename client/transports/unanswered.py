@@ -43,10 +43,6 @@ class Sent:
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
 
-    @property
-    def what(self) -> str:
-        return call_name(self.unit, self.op)
-
 
 def call_name(unit: str, op: int) -> str:
     """What a call was, for its errors: "FORWARD of 'model.layers.0.self_attn.q_proj'"."""
@@ -54,14 +50,15 @@ def call_name(unit: str, op: int) -> str:
     return f"{name} of {unit!r}"
 
 
-def reply_error(reply: pb.CallReply, what: str, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> Exception | None:
+def reply_error(reply: pb.CallReply, unit: str, op: int, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> Exception | None:
     """The error a call's reply says (its status, or a result other than the one asked for); None if OK."""
-    failure = error_for_status(reply.status, what)
-    if failure is None and (tuple(reply.shape) != tuple(out_shape) or codec.TORCH_OF.get(reply.dtype) is not out_dtype):
-        failure = InternalError(
-            f"{what}: executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}"
+    if reply.status.code == pb.OK:
+        if tuple(reply.shape) == tuple(out_shape) and codec.TORCH_OF.get(reply.dtype) is out_dtype:
+            return None
+        return InternalError(
+            f"{call_name(unit, op)}: executor returned {list(reply.shape)} {reply.dtype}, expected {list(out_shape)} {out_dtype}"
         )
-    return failure
+    return error_for_status(reply.status, call_name(unit, op))
 
 
 def previous_seq(seq: int) -> int:
@@ -146,7 +143,7 @@ class Unanswered:
             self.sent.popleft()
         else:
             self.sent.remove(sent)
-        failure = reply_error(reply, sent.what, sent.out_shape, sent.out_dtype)
+        failure = reply_error(reply, sent.unit, sent.op, sent.out_shape, sent.out_dtype)
         if failure is not None:
             if reply.status.code != pb.OK:  # (a call run with a result other than asked for had its word written)
                 bisect.insort(self.failed, sent, key=lambda s: s.call_id)
