@@ -13,7 +13,9 @@ scenario once per model under torch.profiler; `--gpu-time` runs each scenario on
 the GPU's work recorded in both processes (the executor through benchmarks/profiled_serve.py):
 the GPU's busy time for the tenant's kernels and for the executor's, and the rest of the wall
 time, when the GPU did neither (waiting for a host). `--compare-whole-mlp` times a third model in the
-same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP).
+same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP);
+`--compare-python-calls` one whose same-GPU calls make their steps from Python instead of in one
+native call (the code before proto._stream_ops.Lane).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -63,6 +65,8 @@ def main() -> int:
     p.add_argument("--no-fuse", action="store_true", help="one remote call per unit (no sibling fusion)")
     p.add_argument("--compare-whole-mlp", action="store_true",
                    help="also time the tenant with whole-MLP calls off, side by side (key 'per-linear MLP')")
+    p.add_argument("--compare-python-calls", action="store_true",
+                   help="also time the tenant with native calls off, side by side (key 'python calls')")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -101,9 +105,11 @@ def main() -> int:
         models = {"unsplit": base, "symbiont": virt}
         if a.compare_whole_mlp:
             models["per-linear MLP"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse, whole_mlp=False)
+        if a.compare_python_calls:  # conn.transport.native_calls is off while this one runs
+            models["python calls"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
         results: dict[str, dict[str, float]] = {}
-        calls: dict[str, float] = {}
-        calls_off: dict[str, float] = {}  # with whole-MLP calls off
+        calls_of: dict[str, dict[str, float]] = {k: {} for k in models if k != "unsplit"}  # model -> scenario -> calls
+        calls, calls_off = calls_of["symbiont"], calls_of.get("per-linear MLP", {})
         gpu_times: dict[str, dict] = {}  # --gpu-time
         alloc_retries: dict[str, dict] = {}
 
@@ -155,6 +161,7 @@ def main() -> int:
             for k, m in models.items():
                 if k != "unsplit":
                     executor_gpu(True)
+                conn.transport.native_calls = k != "python calls"
                 with tprofile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
                     wall = timed(lambda: run(m)) * 1e3
                 ex = executor_gpu(False) if k != "unsplit" else {"busy_ms": 0.0, "launches": 0, "top_ms": {}}
@@ -177,13 +184,14 @@ def main() -> int:
                 for k, m in models.items():
                     before = conn.stats().calls if k != "unsplit" else 0
                     tried = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if dev.type == "cuda" else 0
+                    conn.transport.native_calls = k != "python calls"
                     t = timed(lambda: run_one(m))
                     if dev.type == "cuda":
                         retries[k] += torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - tried
                     if i >= 2:
                         times[k].append(t)
                         if k != "unsplit":
-                            (calls if k == "symbiont" else calls_off)[name] = conn.stats().calls - before
+                            calls_of[k][name] = conn.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
             alloc_retries[name] = retries
             if any(retries.values()):
@@ -198,9 +206,8 @@ def main() -> int:
             r = results[name]
             print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
                   f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)
-            if "per-linear MLP" in r:
-                print(f"{'':10s} per-linear MLP {r['per-linear MLP'] * 1e3:9.2f} ms  "
-                      f"ratio {r['per-linear MLP'] / r['unsplit']:.3f}  calls {calls_off[name]:.0f}", flush=True)
+            for k in [k for k in r if k not in ("unsplit", "symbiont")]:
+                print(f"{'':10s} {k} {r[k] * 1e3:9.2f} ms  ratio {r[k] / r['unsplit']:.3f}  calls {calls_of[k][name]:.0f}", flush=True)
 
         torch.manual_seed(0)
         vocab = base.config.vocab_size
@@ -234,6 +241,7 @@ def main() -> int:
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
         "wait_replies": a.wait_replies, "serve_args": a.serve_args,
         "seconds": results, "gpu_time": gpu_times, "tenant_alloc_retries": alloc_retries, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
+        "calls": calls_of,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "overhead_per_call_us": {
             k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
@@ -249,12 +257,12 @@ def main() -> int:
         v = results[k]
         print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
               f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}")
-    if a.compare_whole_mlp:
-        print("with whole-MLP calls off:")
+    for other in [k for k in models if k not in ("unsplit", "symbiont")]:
+        print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
-            print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['per-linear MLP'] * 1e3:12.2f} {v['per-linear MLP'] / v['unsplit']:7.3f} "
-                  f"{goals[k]:6.2f} {calls_off[k]:7.0f}")
+            print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "
+                  f"{goals[k]:6.2f} {calls_of[other][k]:7.0f}")
     return 0
 
 

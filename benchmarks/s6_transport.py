@@ -3,7 +3,8 @@ every placement this machine can run, against the GEMM alone, side by side in on
 
 Placements: `cpu-executor` (tenant and executor on the CPU, shared memory), `host->gpu`
 (tenant on the CPU, executor on the GPU, page-locked mailboxes), `same-gpu` (tenant on the
-executor's GPU, CUDA IPC mailboxes), `peer-gpu` (tenant on a second GPU: the executor's CUDA
+executor's GPU, CUDA IPC mailboxes; `same-gpu-python`: the same with each call's steps made from
+Python instead of in one native call; `same-gpu-wait`: each call waits for its reply), `peer-gpu` (tenant on a second GPU: the executor's CUDA
 IPC mailbox, peer copies; needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
 q_proj of a one-layer Llama saved to a temporary directory.
 
@@ -73,7 +74,7 @@ def main() -> int:
     p.add_argument("--label", default="")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
-    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-wait peer-gpu "
+    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait peer-gpu "
                    "(same-gpu-wait: each call waits for its reply instead of returning before it)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -87,7 +88,7 @@ def main() -> int:
             placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
-                           ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0")]
+                           ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0")]
             wg = w.to("cuda", torch.bfloat16)
             rows["GEMM alone (GPU, bf16)"] = {
                 n: median_us(lambda x=torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16): torch.nn.functional.linear(x, wg), sync, a.calls)
@@ -107,6 +108,7 @@ def main() -> int:
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
                 t.return_early = not name.startswith("same-gpu-wait")
+                t.native_calls = not name.startswith("same-gpu-python")
                 tdtype = getattr(torch, dtype)
                 row = {}
                 for n in TOKENS:
