@@ -26,7 +26,7 @@ constexpr size_t kHeadOffset = 0;
 constexpr size_t kTailOffset = 64;
 constexpr size_t kSlotsOffset = 128;
 
-long futex(uint32_t* addr, int op, uint32_t val, const struct timespec* timeout) {
+inline long futex(uint32_t* addr, int op, uint32_t val, const struct timespec* timeout) {
   // Shared (not FUTEX_PRIVATE) futexes: the word lives in memory mapped by several processes.
   return syscall(SYS_futex, addr, op, val, timeout, nullptr, 0);
 }

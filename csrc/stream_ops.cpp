@@ -152,8 +152,11 @@ class Lane {
   // Queues on `stream`: the copy of nbytes at src into the data area's start, the input word's
   // write of seq; then pushes the request and rings the executor, and queues the stream's wait for
   // the output word to reach seq. Returns 0; -1 when the request ring is full (nothing was done);
-  // 1 when the request went but the wait could not be queued. Raises when the copy or the write
-  // fails (the request did not go).
+  // -2 when the copy and the word were queued but the request could not be pushed (another
+  // producer); 1 when the request went but the wait could not be queued. Raises when the copy or
+  // the write fails (the request did not go). pushed / waited: the seq of the last request pushed
+  // and of the last wait queued, which say how far a call got when an interrupt is raised as this
+  // returns (before its result can be read).
   int send(uintptr_t src, size_t nbytes, uintptr_t stream, const py::bytes& header, uint64_t call_id, uint32_t seq) {
     const Driver& d = driver();
     ensure_context(d, device_);
@@ -172,19 +175,26 @@ class Lane {
     if (requests_.full()) return -1;
     CUresult rc = 0;
     const char* failed = nullptr;
+    bool pushed = false;
     {
       py::gil_scoped_release release;
       if (nbytes && (rc = d.memcpy_async(dst_, src, nbytes, as_stream(stream))) != 0) failed = "cuMemcpyAsync";
       if (!failed && (rc = d.write_value32(as_stream(stream), input_word_, seq, 0)) != 0) failed = "cuStreamWriteValue32";
-      if (!failed) {
-        requests_.push_parts(reinterpret_cast<const uint8_t*>(head), static_cast<size_t>(head_len), tail, n);
+      if (!failed && requests_.push_parts(reinterpret_cast<const uint8_t*>(head), static_cast<size_t>(head_len), tail, n)) {
+        pushed = true;
+        pushed_ = seq;
         wake_.ring(/*wake_always=*/true);
         rc = d.wait_value32(as_stream(stream), output_word_, seq, 0 /* GEQ */);
+        if (rc == 0) waited_ = seq;
       }
     }
     if (failed) check(rc, failed);
+    if (!pushed) return -2;
     return rc == 0 ? 0 : 1;
   }
+
+  uint32_t pushed() const { return pushed_; }
+  uint32_t waited() const { return waited_; }
 
  private:
   static size_t put_varint(uint8_t* buf, size_t n, uint64_t v) {
@@ -200,6 +210,7 @@ class Lane {
   symbiont_shm::Doorbell wake_;
   uintptr_t dst_, input_word_, output_word_;
   int device_;
+  uint32_t pushed_ = 0, waited_ = 0;
 };
 
 bool available() {
@@ -224,5 +235,7 @@ PYBIND11_MODULE(_stream_ops, m) {
            py::arg("mailbox"), py::arg("ring_offset"), py::arg("nslots"), py::arg("slot_size"), py::arg("wake"),
            py::arg("dst"), py::arg("input_word"), py::arg("output_word"), py::arg("device"))
       .def("send", &Lane::send, py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("header"),
-           py::arg("call_id"), py::arg("seq"));
+           py::arg("call_id"), py::arg("seq"))
+      .def_property_readonly("pushed", &Lane::pushed)
+      .def_property_readonly("waited", &Lane::waited);
 }

@@ -14,6 +14,8 @@ Mailbox layout (offsets in bytes):
                                           once its input is in place; the executor's stream waits on it
     [OUTPUT_WORD_OFFSET,  +4)             same GPU: the executor's stream writes a call's input_seq here
                                           once its result is in place; the tenant's stream waits on it
+    [FAILURES_OFFSET,     +4)             how many failure replies the executor has pushed: a tenant
+                                          that takes its replies in batches looks here at each call
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -39,6 +41,7 @@ REPLY_BELL_OFFSET = REPLY_RING_OFFSET + RING_REGION
 DETACHED_OFFSET = REPLY_BELL_OFFSET + 64
 INPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 128
 OUTPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 192
+FAILURES_OFFSET = REPLY_BELL_OFFSET + 256
 WORDS_PAGE = (REPLY_BELL_OFFSET, 4096)  # the page holding the words a GPU reads or writes
 INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
 OUTPUT_WORD_IN_PAGE = OUTPUT_WORD_OFFSET - WORDS_PAGE[0]
@@ -145,6 +148,14 @@ class Mailbox:
         """Tenant side: releases its own stream's wait for the result of call `value` (a failed
         call's, or any once the executor is gone)."""
         self._set_word(OUTPUT_WORD_OFFSET, value)
+
+    def failures(self) -> int:
+        """How many failure replies the executor has pushed on this mailbox (modulo 2**32)."""
+        return self._word(FAILURES_OFFSET)
+
+    def count_failure(self) -> None:
+        """Executor side, after pushing a failure reply."""
+        self._set_word(FAILURES_OFFSET, self.failures() + 1)
 
     def _word(self, offset: int) -> int:
         return int.from_bytes(self.mem[offset : offset + 4], "little")

@@ -246,12 +246,13 @@ def test_bad_call_fails_only_that_call(ex, observer, reference, case):
         assert caught.type is error, f"expected exactly {error.__name__}, got {caught.type.__name__}: {caught.value}"
 
         # the same call straight into the ring, past any check the client makes: the executor's answer
-        errors_before = stats(observer).errors
+        errors_before, failures_before = stats(observer).errors, tr._box.failures()
         req, reply = raw_call(tr, x=x, unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape),
                               in_offset=0, out_offset=mailbox.align(x.numel() * x.element_size()))
         assert reply.call_id == req.call_id
         assert reply.status.code == error.code, f"{pb.Code.Name(reply.status.code)}: {reply.status.message}"
         assert stats(observer).errors == errors_before + 1
+        assert tr._box.failures() == failures_before + 1  # (a tenant taking replies in batches looks at it)
 
         # the offender's next call is served, and served right
         y = torch.randn(3, 64)

@@ -324,6 +324,15 @@ def test_failed_call_returns_early_and_raises_later():
         with pytest.raises(UnknownUnitError, match="no.such.unit"):
             call()
         assert _synchronizes_within(20)
+        failures = t._box.failures()
+        call("no.such.unit")
+        deadline = time.monotonic() + 20
+        while t._box.failures() == failures:  # its reply is in: the next call raises it (not 16 calls later)
+            assert time.monotonic() < deadline, "no failure reply counted"
+            time.sleep(1e-4)
+        with pytest.raises(UnknownUnitError, match="no.such.unit"):
+            call()
+        assert _synchronizes_within(20)
         torch.testing.assert_close(call().cpu(), want)
         t.confirm()
         torch.cuda._sleep(200_000_000)  # closing with calls in flight, one of them failed

@@ -164,5 +164,9 @@ class LocalCalls:
             t.box.reply_bell.ring()
 
     def _push(self, t: Tenant, reply: pb.CallReply) -> None:
-        if t.id in self.tenants and not t.box.replies.push(reply.SerializeToString()):
+        if t.id not in self.tenants:
+            return
+        if not t.box.replies.push(reply.SerializeToString()):
             self._reclaim(t, f"reply ring full: the tenant has not read its last {mailbox.RING_SLOTS} replies")
+        elif reply.status.code != pb.OK:  # (after the push: a tenant that sees the count finds the reply)
+            t.box.count_failure()

@@ -13,6 +13,7 @@ mapped) a call waits for its reply.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from client.errors import (
@@ -65,6 +66,7 @@ class LocalTransport(Transport):
         self.native_calls = True  # same GPU: a call's steps in one native call where it can (False: each from Python)
         self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
+        self._failures = 0  # the mailbox's count of failure replies when replies were last taken
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -101,9 +103,9 @@ class LocalTransport(Transport):
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
-        self._plans = {}
-        self._lane = _lane(box, order, self._wake_mem) if order is not None and order.out_word else None
+        self._plans, self._failures = {}, 0
         self._unanswered.bind(box, order)
+        self._lane = _lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
             self._watchdog = start_watchdog(self)
 
@@ -141,8 +143,10 @@ class LocalTransport(Transport):
             self._finish_outstanding()
         unanswered = self._unanswered
         native = self._lane is not None and self.native_calls and self.return_early and x.device == self._order.device
-        if native:  # replies are taken every TAKE_EVERY calls; a failure the watchdog took is raised now
-            if unanswered.failure is not None or unanswered.failed:
+        if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
+            failures = self._box.failures()
+            if failures != self._failures or unanswered.failure is not None or unanswered.failed:
+                self._failures = failures
                 self._collect()
         elif unanswered.busy:  # the replies that came; raises an earlier call's failure
             elsewhere = self._order is not None and x.device != self._order.device
@@ -237,29 +241,44 @@ class LocalTransport(Transport):
         """A same-GPU call from our GPU in one native call (proto._stream_ops.Lane): the copy in,
         the input word, the request, the executor's doorbell, and our stream's wait for the
         result; then the copy out, queued behind that wait. Its reply is taken later."""
-        order, unanswered = self._order, self._unanswered
+        order, unanswered, lane = self._order, self._unanswered, self._lane
         if not x.is_contiguous():
             x = x.contiguous()
         stream = order.current_stream()
         if stream != order.stream:
             order.follow(stream)
-        seq = order.seq = order.seq % 0xFFFFFFFF + 1  # (never 0, which means "no word")
-        call_id = next(self._ids)
-        unanswered.add(Sent(call_id, seq, key[0], key[1], key[5], key[6]))
+        seq = call_id = 0
         try:
-            rc = self._lane.send(x.data_ptr(), plan.in_nbytes, stream, plan.header, call_id, seq)
+            seq = order.seq = order.seq % 0xFFFFFFFF + 1  # (never 0, which means "no word")
+            call_id = next(self._ids)
+            unanswered.add(Sent(call_id, seq, key[0], key[1], key[5], key[6]))
+            rc = lane.send(x.data_ptr(), plan.in_nbytes, stream, plan.header, call_id, seq)
             if rc < 0:
                 raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-        except BaseException:  # not sent: its output word is still written, in call order
-            unanswered.forget(call_id)
-            self._release_failed(call_id, seq)
+            if rc:  # sent, but the wait for its result was not queued (its reply is taken later)
+                order.wait_result(stream, seq)
+        except BaseException:  # (an interrupt too, raised as the native call returns)
+            if seq:
+                self._interrupted(lane, call_id, seq, stream)
             raise
-        if rc:  # sent, but the wait for its result was not queued (its reply is taken later)
-            order.wait_result(stream, seq)
         result = plan.out.clone() if take is None else take(plan.out)
         if len(unanswered) >= TAKE_EVERY:
             self._collect(keep=MAX_UNANSWERED // 2 if len(unanswered) >= MAX_UNANSWERED else None)
         return result
+
+    def _interrupted(self, lane, call_id: int, seq: int, stream: int) -> None:
+        """A native call that raised: one whose request never went has its output word written in
+        call order (nobody else writes it); one that went is taken with the other unanswered
+        calls, and our stream still waits for its result (the next call's copy in must not
+        overwrite the input its GEMM reads)."""
+        if lane.pushed != seq:
+            self._unanswered.forget(call_id)
+            self._release_failed(call_id, seq)
+        elif lane.waited != seq:
+            try:
+                self._order.wait_result(stream, seq)
+            except Exception:  # (the error being raised says more)
+                pass
 
     def _set_outstanding(self, call_id: int, seq: int) -> None:
         """A call was sent but its reply is not taken: the next call (or confirm) finishes it."""
@@ -332,13 +351,18 @@ class LocalTransport(Transport):
             self._executor_pid = self._channel.executor_pid = 0  # (a restarted executor has another)
 
 
-def _lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem):
+def _lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem, url: str):
     """The native call path of a mailbox whose calls order on our GPU by words, where the native
-    stream operations are built and the CUDA driver is there (else None)."""
+    stream operations are built and the CUDA driver is there (else None: calls make their steps
+    from Python)."""
     from proto.cuda_ipc import native_ops
 
     ops = native_ops()
     if ops is None:
         return None
-    return ops.Lane(box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, wake_mem,
-                    order.region.ptr, order.words, order.out_word, order.device.index)
+    try:
+        return ops.Lane(box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, wake_mem,
+                        order.region.ptr, order.words, order.out_word, order.device.index)
+    except (RuntimeError, ValueError, TypeError) as e:  # (a native module of another version)
+        warnings.warn(f"{url}: no native call path ({e}); calls make their steps from Python", RuntimeWarning, stacklevel=3)
+        return None
