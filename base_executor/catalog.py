@@ -15,7 +15,7 @@ from torch import nn
 from proto import executor_pb2 as pb
 from proto.codec import dtype_enum
 from proto.fingerprint import fingerprint
-from proto.gated_mlp import CHILDREN, is_gated_mlp
+from proto import gated_mlp
 
 LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
 
@@ -120,8 +120,9 @@ class UnitTable:
         for members in sibling_sets(self.units.values()):
             self._add_group(model, members)
         for path, module in model.named_modules():
-            if is_gated_mlp(module):
-                self._add_mlp(path, module)
+            layout = gated_mlp.layout(module)
+            if layout is not None:
+                self._add_mlp(path, module, layout)
 
     def _add_group(self, model: nn.Module, members: list[Unit]) -> None:
         """A group unit over `members`: its weight is theirs stacked, [sum of out, in]; theirs
@@ -152,17 +153,28 @@ class UnitTable:
                 module.bias.data = m.bias
         self.units[group.id] = group
 
-    def _add_mlp(self, path: str, module: nn.Module) -> None:
-        """An MLP unit for a gated MLP block whose gate/up siblings make a group, when a probe shows
-        the unit's forward (runner.run) equal to the block's own."""
+    def _add_mlp(self, path: str, module: nn.Module, layout: gated_mlp.Layout) -> None:
+        """An MLP unit for a gated MLP block whose gate and up are one Linear unit (Phi-3's
+        gate_up_proj) or two siblings that make a group, when a probe shows the unit's forward
+        (runner.run) equal to the block's own. Its members: that unit (gate's columns, then
+        up's) and down."""
         from base_executor import runner
 
-        gate, up, down = (self.units.get(f"{path}.{n}") for n in CHILDREN)
-        pair = gate and self.units.get(gate.group)
-        if pair is None or down is None or pair.members != (gate, up) or down.tied_to:
+        *gate_up, down = (self.units.get(f"{path}.{n}") for n in layout.linears)
+        if len(gate_up) == 2:
+            gate, up = gate_up
+            pair = gate and self.units.get(gate.group)
+            if pair is None or pair.members != (gate, up):
+                return
+        else:
+            (pair,) = gate_up
+            if pair is None or pair.kind != LINEAR or pair.tied_to or pair.out_features % 2:
+                return
+        if down is None or down.tied_to:
             return
+        act = getattr(module, layout.act)
         unit = Unit(id=path, kind=MLP, weight=None, bias=None, in_features=down.out_features, out_features=down.out_features,
-                    members=(pair, down), act=module.act_fn, act_backward=runner.act_backward_of(module.act_fn, down.weight.dtype))
+                    members=(pair, down), act=act, act_backward=runner.act_backward_of(act, down.weight.dtype))
         unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}"
         x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
         with torch.no_grad():

@@ -48,11 +48,12 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
 
 
 def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
-    """A gated MLP block, down(act(gate(x)) * up(x)), with the ops its module uses (forward is
+    """A gated MLP block, down(act(gate(x)) * up(x)), its gate and up one unit (a group, or one
+    Linear like Phi-3's gate_up_proj), with the ops its module uses (forward is
     bitwise the module's with `exact`). BACKWARD recomputes the block from x (nothing is kept
     between calls) and returns grad_x = [grad_gate, grad_up] W_gate_up."""
     pair, down = unit.members
-    width = pair.members[0].out_features  # [tokens, 2 * intermediate]: gate's columns, then up's
+    width = pair.out_features // 2  # [tokens, 2 * intermediate]: gate's columns, then up's
     if op == pb.FORWARD:
         gate, up = run(pair, pb.FORWARD, x, exact).split(width, dim=-1)
         return run(down, pb.FORWARD, unit.act(gate) * up, exact, out)

@@ -3,9 +3,9 @@ Linears has an adapter, instead of one for gate/up and one for down.
 
 The executor advertises an MLP unit per gated block it serves. virtualize() makes each such block
 of the tenant's model an instance of a subclass of its class whose forward calls the unit; its
-gate/up/down shims stay its children, so PEFT still finds and wraps them. The moment one of them
-is wrapped (an adapter), hooked, or its act_fn replaced, the block runs its own forward again: one
-call per (fused) Linear. While torch.compile traces, the whole call is the custom op
+Linears' shims (gate/up/down, or Phi-3's gate_up/down) stay its children, so PEFT still finds and
+wraps them. The moment one of them is wrapped (an adapter), hooked, or its activation replaced,
+the block runs its own forward again: one call per (fused) Linear. While torch.compile traces, the whole call is the custom op
 `symbiont::unit_call` on the MLP unit (client/shim.py), so a compiled block is one call too.
 Forward is the block's own ops at the executor. Backward sends the block's input beside grad_y,
 and the executor recomputes the block (it keeps nothing between calls); the tenant keeps only the
@@ -19,20 +19,21 @@ from torch.nn.modules import module as _nn_module
 
 from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing, unit_call
 from proto import executor_pb2 as pb
-from proto.gated_mlp import CHILDREN, is_gated_mlp
+from proto import gated_mlp
 
 
 class MlpUnit(UnitRef):
     """The MLP unit of one block, and the shims of the block's Linears that it stands for."""
 
-    def __init__(self, unit: pb.UnitInfo, members: tuple[VirtLayer, ...], act):
+    def __init__(self, unit: pb.UnitInfo, members: tuple[VirtLayer, ...], layout: gated_mlp.Layout, act):
         self.unit_id = unit.id
         self.transport = members[0].transport
         self._kind = unit.kind
         self._d_in, self._d_out = unit.in_features, unit.out_features
         self._dtype = members[0]._dtype
-        self.members = members  # gate_proj, up_proj, down_proj
-        self.act = act  # the block's act_fn when it was virtualized (the executor probed its own)
+        self.members = members  # the shims of layout.linears
+        self.layout = layout
+        self.act = act  # the block's activation when it was virtualized (the executor probed its own)
         self._register()
 
     def _out_shape(self, shape, op) -> tuple[int, ...]:
@@ -45,8 +46,8 @@ class MlpUnit(UnitRef):
         what the unit takes."""
         modules = block._modules
         return (
-            all(modules.get(name) is m for name, m in zip(CHILDREN, self.members))
-            and block.act_fn is self.act
+            all(modules.get(name) is m for name, m in zip(self.layout.linears, self.members))
+            and getattr(block, self.layout.act, None) is self.act
             and not any(_hooked(m) for m in (*self.members, self.act))
             and not _global_hooks()
             and x.dtype == self._dtype
@@ -116,13 +117,16 @@ def serve_whole_mlps(units: list[pb.UnitInfo], root: nn.Module, shims: dict[str,
             block = root.get_submodule(unit.id)
         except AttributeError:
             continue
-        members = tuple(shims.get(f"{unit.id}.{name}") for name in CHILDREN)
-        if not is_gated_mlp(block) or any(m is None or block._modules.get(name) is not m for name, m in zip(CHILDREN, members)):
+        layout = gated_mlp.layout(block)
+        if layout is None:
+            continue
+        members = tuple(shims.get(f"{unit.id}.{name}") for name in layout.linears)
+        if any(m is None or block._modules.get(name) is not m for name, m in zip(layout.linears, members)):
             continue
         cls = type(block)
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Virt{cls.__name__}", (VirtMLP, cls), {"__module__": __name__})
         block.__class__ = _CLASSES[cls]
-        block._whole = MlpUnit(unit, members, block.act_fn)
+        block._whole = MlpUnit(unit, members, layout, getattr(block, layout.act))
         n += 1
     return n

@@ -20,13 +20,15 @@ MLP = "mlp"  # the suffix of an MLP unit's id (model.layers.N.mlp)
 # ---- the executor's side: MLP units ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-phi3"])
 def test_mlp_unit_is_the_block(name):
+    """Gate and up as a group of two siblings, or as one Linear (Phi-3's gate_up_proj)."""
     model = build_builtin(name)
     table = UnitTable(model)
     units = [u for u in table.units.values() if u.kind == "mlp"]
     assert [u.id for u in units] == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
-    assert [m.id for m in units[0].members] == [f"model.layers.0.{GATE_UP}", "model.layers.0.mlp.down_proj"]
+    gate_up = "mlp.gate_up_proj" if name == "tiny-phi3" else GATE_UP
+    assert [m.id for m in units[0].members] == [f"model.layers.0.{gate_up}", "model.layers.0.mlp.down_proj"]
     before = table.parameter_count()
     block = model.model.layers[1].mlp
     unit = table.get("model.layers.1.mlp")
@@ -65,8 +67,7 @@ def test_mlp_backward_runs_the_ops_autograd_runs(name):
 
 
 def test_no_mlp_unit_for_other_blocks():
-    for name in ("tiny-gpt2", "tiny-phi3"):  # not gated this way, or gate/up come fused
-        assert not [u for u in UnitTable(build_builtin(name)).units.values() if u.kind == "mlp"]
+    assert not [u for u in UnitTable(build_builtin("tiny-gpt2")).units.values() if u.kind == "mlp"]  # not gated
 
 
 def test_mlp_unit_checks_its_calls(executor):
@@ -92,7 +93,7 @@ def test_mlp_unit_checks_its_calls(executor):
 # ---- the tenant's side -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma2", "tiny-phi3"])
 def test_three_calls_per_layer_same_logits(executor_for, name):
     ex = executor_for(name)
     ref = build_builtin(name)
@@ -103,7 +104,7 @@ def test_three_calls_per_layer_same_logits(executor_for, name):
         with CallCount(ex.url) as count:
             got = virt(x).logits
     assert torch.equal(got, want)
-    assert count.total() == 3 * LAYERS + 2 and count.of(MLP) == LAYERS and count.of(GATE_UP) == 0, count.calls
+    assert count.total() == 3 * LAYERS + 2 and count.of(MLP) == LAYERS and count.of(GATE_UP) + count.of("gate_up_proj") == 0, count.calls
     block = virt.model.layers[0].mlp
     assert type(block).__name__.startswith("Virt") and isinstance(block, type(ref.model.layers[0].mlp))
 
@@ -115,6 +116,21 @@ def test_lora_on_attention_one_backward_per_block(executor):
         # embedding's and layer 0's qkv (its input, the embedding output, needs no gradient)
         assert count.of(MLP) == 2 * LAYERS and count.of(GATE_UP) == 0 and count.of("down_proj") == 0, count.calls
         assert count.total() == (3 * LAYERS + 2) + (3 * LAYERS - 1 + 1), count.calls
+
+
+def test_phi3_fused_gate_up_block_trains_as_one_call(executor_for):
+    """Phi-3's block (one gate_up_proj Linear) with LoRA on attention: one MLP call forward and one
+    backward per layer, the unsplit model's adapter gradients; an adapter on gate_up_proj brings
+    its per-Linear calls back."""
+    ex = executor_for("tiny-phi3")
+    ref, virt = lora_model("tiny-phi3"), virtualize(lora_model("tiny-phi3"), ex.url)  # qkv_proj
+    for count in steps_side_by_side(ex.url, ref, virt, ids(2, 10, seed=5)):
+        assert count.of(MLP) == 2 * LAYERS and count.of("gate_up_proj") == 0 and count.of("down_proj") == 0, count.calls
+    targets = ["gate_up_proj"]
+    ref, virt = _lora(build_builtin("tiny-phi3"), targets), virtualize(_lora(build_builtin("tiny-phi3"), targets), ex.url)
+    for count in steps_side_by_side(ex.url, ref, virt, ids(2, 10, seed=6)):
+        # (nothing before layer 0's block needs a gradient: its gate_up_proj has no BACKWARD)
+        assert count.of(MLP) == 0 and count.of("gate_up_proj") == 2 * LAYERS - 1 and count.of("down_proj") == 2 * LAYERS, count.calls
 
 
 @pytest.mark.parametrize("order", ["after_peft", "before_peft"])
