@@ -41,7 +41,7 @@ def test_cuda_executor_bfloat16():
             torch.testing.assert_close(virt(x).logits.float(), ref(x).logits.float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-gemma2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-gemma2", "tiny-phi3"])
 def test_same_gpu_tenant_parity(name):
     """Tenant on the executor's GPU: CUDA IPC mailboxes, event-ordered, same kernels as unsplit."""
     torch.backends.cuda.matmul.allow_tf32 = False
