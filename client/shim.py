@@ -90,8 +90,8 @@ def _(x, shim, op):
 
 def _setup_context(ctx, inputs, output):
     x, ctx.shim, ctx.op = inputs
-    if _SHIMS[ctx.shim]._kind == "mlp":  # its backward sends the input again (client/whole_mlp.py)
-        ctx.save_for_backward(x)
+    if _SHIMS[ctx.shim]._kind == "mlp" and ctx.op != pb.BACKWARD:  # its backward sends the input again
+        ctx.save_for_backward(x)  # (client/whole_mlp.py; a BACKWARD call's own backward raises instead)
 
 
 def _backward(ctx, grad):
