@@ -8,6 +8,8 @@ decode at batch 1 (prompt 128, 128 new tokens); prefill of 2048 tokens. Each rep
 the unsplit model and the tenant back to back; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
 executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
+besides the ratio of the medians, each repetition's own ratio (its two models ran back to back)
+is reported as median [quartiles], which drift between repetitions does not move;
 `--profile SECONDS` samples both processes with py-spy per scenario; `--torch-profile` runs each
 scenario once per model under torch.profiler; `--gpu-time` runs each scenario once per model with
 the GPU's work recorded in both processes (the executor through benchmarks/profiled_serve.py):
@@ -46,6 +48,12 @@ def timed(fn) -> float:
     fn()
     sync()
     return time.perf_counter() - t0
+
+
+def spread(ratios: list[float]) -> str:
+    """Median and quartiles of per-repetition ratios: "1.08 [1.05, 1.12]"."""
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return f"{statistics.median(ratios):.3f} [{q[0]:.3f}, {q[2]:.3f}]"
 
 
 def lora(model):
@@ -108,6 +116,7 @@ def main() -> int:
         if a.compare_python_calls:  # conn.transport.native_calls is off while this one runs
             models["python calls"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
         results: dict[str, dict[str, float]] = {}
+        paired: dict[str, dict[str, list[float]]] = {}  # scenario -> model -> per-repetition ratios, sorted
         calls_of: dict[str, dict[str, float]] = {k: {} for k in models if k != "unsplit"}  # model -> scenario -> calls
         calls, calls_off = calls_of["symbiont"], calls_of.get("per-linear MLP", {})
         gpu_times: dict[str, dict] = {}  # --gpu-time
@@ -193,6 +202,8 @@ def main() -> int:
                         if k != "unsplit":
                             calls_of[k][name] = conn.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
+            # each repetition's ratio (the two ran back to back): drift between repetitions cancels
+            paired[name] = {k: sorted(a / b for a, b in zip(v, times["unsplit"])) for k, v in times.items() if k != "unsplit"}
             alloc_retries[name] = retries
             if any(retries.values()):
                 print(f"{name}: the tenant's allocator retried after freeing its cache (synchronising) {retries}", flush=True)
@@ -205,7 +216,7 @@ def main() -> int:
                     torch_profile(f"{name}, {k}", lambda: run_one(m))
             r = results[name]
             print(f"{name:10s} unsplit {r['unsplit'] * 1e3:9.2f} ms  symbiont {r['symbiont'] * 1e3:9.2f} ms  "
-                  f"ratio {r['symbiont'] / r['unsplit']:.3f}  calls {calls[name]:.0f}", flush=True)
+                  f"ratio {r['symbiont'] / r['unsplit']:.3f} (paired {spread(paired[name]['symbiont'])})  calls {calls[name]:.0f}", flush=True)
             for k in [k for k in r if k not in ("unsplit", "symbiont")]:
                 print(f"{'':10s} {k} {r[k] * 1e3:9.2f} ms  ratio {r[k] / r['unsplit']:.3f}  calls {calls_of[k][name]:.0f}", flush=True)
 
@@ -243,6 +254,7 @@ def main() -> int:
         "seconds": results, "gpu_time": gpu_times, "tenant_alloc_retries": alloc_retries, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
         "calls": calls_of,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
+        "paired_ratios": paired,
         "overhead_per_call_us": {
             k: (v["symbiont"] - v["unsplit"]) * (a.new_tokens if k == "decode" else 1) / max(calls[k], 1) * 1e6
             for k, v in results.items()
@@ -252,17 +264,18 @@ def main() -> int:
     goals = {"finetune": 1.15, "decode": 1.10, "prefill": 1.10}
     how = (" (no fusion)" if a.no_fuse else "") + (" (calls wait for replies)" if a.wait_replies else "") + (f" (serve {a.serve_args})" if a.serve_args else "")
     print(f"\nS1 split tax, {a.model} bf16, {gpu_name}{how}")
-    print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}")
+    print(f"{'scenario':10s} {'unsplit ms':>11s} {'symbiont ms':>12s} {'ratio':>7s} {'goal':>6s} {'calls':>7s} {'µs/call':>8s}"
+          f"  paired ratio: median [quartiles]")
     for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
         v = results[k]
         print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
-              f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}")
+              f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}  {spread(paired[k]['symbiont'])}")
     for other in [k for k in models if k not in ("unsplit", "symbiont")]:
         print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "
-                  f"{goals[k]:6.2f} {calls_of[other][k]:7.0f}")
+                  f"{goals[k]:6.2f} {calls_of[other][k]:7.0f} {'':8s}  {spread(paired[k][other])}")
     return 0
 
 
