@@ -185,7 +185,7 @@ _native = _load_native()  # proto._stream_ops, where it is built and the driver 
 
 def native_ops():
     """proto._stream_ops where it is built and the CUDA driver is there (its Lane is the same-GPU
-    call path of client/transports/local.py), else None."""
+    call path of client/transports/local_calls.py), else None."""
     return _native
 
 

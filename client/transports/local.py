@@ -275,4 +275,3 @@ class LocalTransport(LocalCalls, Transport):
         if self.tenant_id == 0:
             self._channel.close()
             self._executor_pid = self._channel.executor_pid = 0  # (a restarted executor has another)
-
