@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
-        gpu_waits=not args.no_gpu_waits,
+        gpu_waits=not args.no_gpu_waits, graph_tokens=args.graph_tokens,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "where the spinning core is one the GEMMs need)")
     s.add_argument("--no-gpu-waits", action="store_true", help="same GPU: never take a call before its input copy "
                    "is done (by default a lone tenant's call is, its GEMM queued behind a GPU wait on its own stream)")
+    s.add_argument("--graph-tokens", type=int, default=2048, help="same GPU: a call of at most this many tokens runs "
+                   "as a CUDA graph once its unit, op, shape and mailbox offsets come again (one launch instead of one "
+                   "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

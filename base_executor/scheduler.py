@@ -49,6 +49,8 @@ class Call:
     arrived: float
     tag: object = None  # the transport's bookkeeping: where the result goes
     out: torch.Tensor | None = None  # [tokens, d_out]: where a call run alone may write its result (no copy)
+    graphs: object = None  # graphs.CallGraphs that may run it when alone (its out set), and its key there
+    graph_key: object = None
 
     @property
     def tokens(self) -> int:

@@ -17,7 +17,9 @@ the GPU's busy time for the tenant's kernels and for the executor's, and the res
 time, when the GPU did neither (waiting for a host). `--compare-whole-mlp` times a third model in the
 same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP);
 `--compare-python-calls` one whose same-GPU calls make their steps from Python instead of in one
-native call (the code before proto._stream_ops.Lane).
+native call (the code before proto._stream_ops.Lane); `--compare-eager-executor` one served by a
+second executor on the same GPU that replays no CUDA graphs (`--graph-tokens 0`, the code before
+base_executor/graphs.py).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -75,6 +77,8 @@ def main() -> int:
                    help="also time the tenant with whole-MLP calls off, side by side (key 'per-linear MLP')")
     p.add_argument("--compare-python-calls", action="store_true",
                    help="also time the tenant with native calls off, side by side (key 'python calls')")
+    p.add_argument("--compare-eager-executor", action="store_true",
+                   help="also time a tenant of a second executor that runs every call eagerly (--graph-tokens 0)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -100,6 +104,12 @@ def main() -> int:
            "--dtype", "bfloat16", *a.serve_args.split()]
     log = open(out_dir / f"s1_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+    procs = [proc]
+    if a.compare_eager_executor:
+        eager_url = url + "-eager"
+        eager_cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
+                     "--device", a.device, "--dtype", "bfloat16", *a.serve_args.split(), "--graph-tokens", "0"]
+        procs.append(subprocess.Popen(eager_cmd, cwd=REPO, stdout=log, stderr=log))
     try:
         base = build_builtin(a.model, torch.bfloat16)
         base.config._attn_implementation = "sdpa"  # the virtualized copy inherits it
@@ -107,6 +117,7 @@ def main() -> int:
         wait_for_executor(url, 900, proc)
         conn = connect(url)
         conn.transport.return_early = not a.wait_replies
+        conns = {}  # model -> its connection, where not conn
         virt = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -115,6 +126,11 @@ def main() -> int:
             models["per-linear MLP"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse, whole_mlp=False)
         if a.compare_python_calls:  # conn.transport.native_calls is off while this one runs
             models["python calls"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
+        if a.compare_eager_executor:
+            wait_for_executor(eager_url, 900, procs[1])
+            conns["eager executor"] = connect(eager_url)
+            conns["eager executor"].transport.return_early = not a.wait_replies
+            models["eager executor"] = virtualize(copy.deepcopy(base), conns["eager executor"], fuse=not a.no_fuse)
         results: dict[str, dict[str, float]] = {}
         paired: dict[str, dict[str, list[float]]] = {}  # scenario -> model -> per-repetition ratios, sorted
         calls_of: dict[str, dict[str, float]] = {k: {} for k in models if k != "unsplit"}  # model -> scenario -> calls
@@ -191,7 +207,8 @@ def main() -> int:
             retries = {k: 0 for k in models}  # the tenant's allocator freeing its cache to retry a cudaMalloc (a sync)
             for i in range(a.steps + 2):
                 for k, m in models.items():
-                    before = conn.stats().calls if k != "unsplit" else 0
+                    c = conns.get(k, conn)
+                    before = c.stats().calls if k != "unsplit" else 0
                     tried = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if dev.type == "cuda" else 0
                     conn.transport.native_calls = k != "python calls"
                     t = timed(lambda: run_one(m))
@@ -200,7 +217,7 @@ def main() -> int:
                     if i >= 2:
                         times[k].append(t)
                         if k != "unsplit":
-                            calls_of[k][name] = conn.stats().calls - before
+                            calls_of[k][name] = c.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
             # each repetition's ratio (the two ran back to back): drift between repetitions cancels
             paired[name] = {k: sorted(a / b for a, b in zip(v, times["unsplit"])) for k, v in times.items() if k != "unsplit"}
@@ -244,15 +261,21 @@ def main() -> int:
             opts[k].zero_grad(set_to_none=True)
 
         scenario("finetune", step)
-        conn.close()
+        s = conn.stats()
+        graphs = {"calls": s.calls, "graph_replays": s.graph_replays, "graph_captures": s.graph_captures}
+        print(f"executor: {s.graph_replays} of {s.calls} calls were graph replays ({s.graph_captures} captures)", flush=True)
+        for c in [conn, *conns.values()]:
+            c.close()
     finally:
-        proc.send_signal(2)
-        proc.wait(120)
+        for p_ in procs:
+            p_.send_signal(2)
+        for p_ in procs:
+            p_.wait(120)
     out = {
         "model": a.model, "gpu": gpu_name, "torch": torch.__version__, "fuse": not a.no_fuse,
         "wait_replies": a.wait_replies, "serve_args": a.serve_args,
         "seconds": results, "gpu_time": gpu_times, "tenant_alloc_retries": alloc_retries, "symbiont_calls": calls, "per_linear_mlp_calls": calls_off,
-        "calls": calls_of,
+        "calls": calls_of, "executor_graphs": graphs,
         "ratio": {k: v["symbiont"] / v["unsplit"] for k, v in results.items()},
         "paired_ratios": paired,
         "overhead_per_call_us": {
@@ -271,7 +294,8 @@ def main() -> int:
         print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v['symbiont'] * 1e3:12.2f} {out['ratio'][k]:7.3f} {goals[k]:6.2f} "
               f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}  {spread(paired[k]['symbiont'])}")
     for other in [k for k in models if k not in ("unsplit", "symbiont")]:
-        print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:"}[other])
+        print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:",
+               "eager executor": "served by an executor without graphs:"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "

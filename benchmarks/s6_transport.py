@@ -43,11 +43,11 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None) -> subprocess.Popen:
+def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None, extra=()) -> subprocess.Popen:
     from client import wait_for_executor
 
     cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
-           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"] + (["--spin-us", str(spin_us)] if spin_us is not None else [])
+           "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"] + (["--spin-us", str(spin_us)] if spin_us is not None else []) + list(extra)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_executor(url, 120, proc)
     return proc
@@ -74,8 +74,9 @@ def main() -> int:
     p.add_argument("--label", default="")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
-    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait peer-gpu "
-                   "(same-gpu-wait: each call waits for its reply instead of returning before it)")
+    p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait "
+                   "same-gpu-eager peer-gpu (same-gpu-wait: each call waits for its reply instead of returning before it; "
+                   "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -88,7 +89,8 @@ def main() -> int:
             placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
-                           ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0")]
+                           ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0"),
+                           ("same-gpu-eager", "cuda:0", "bfloat16", "cuda:0")]
             wg = w.to("cuda", torch.bfloat16)
             rows["GEMM alone (GPU, bf16)"] = {
                 n: median_us(lambda x=torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16): torch.nn.functional.linear(x, wg), sync, a.calls)
@@ -102,7 +104,7 @@ def main() -> int:
                 if a.placements is None or p[0] in a.placements]
         for name, spin, ex_device, dtype, tenant_device in runs:
             url = f"local://s6-{os.getpid()}-{len(rows)}"
-            proc = serve(tmp, url, ex_device, dtype, spin)
+            proc = serve(tmp, url, ex_device, dtype, spin, ["--graph-tokens", "0"] if name.startswith("same-gpu-eager") else [])
             try:
                 conn = connect(url, spin_us=spin)
                 conn.ensure_attached(tenant_device)

@@ -112,6 +112,44 @@ def test_native_call_path_equals_the_python_one():
         conn.close()
 
 
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-phi3", "tiny-gpt2"])
+def test_graph_replays_equal_eager_calls(model):
+    """Same GPU: an executor that replays CUDA graphs of repeated calls (the default) gives bitwise
+    the logits, greedy tokens and LoRA gradients of one that runs every call eagerly
+    (--graph-tokens 0), and replays most calls (MLP units' forward and backward included)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    got, stats = {}, {}
+    for flags in ((), ("--graph-tokens", "0")):
+        with running_executor(model, "--device", "cuda:0", *flags) as ex:
+            from client import connect
+
+            conn = connect(ex.url)
+            x = ids(2, 13).cuda()
+            virt = virtualize(build_builtin(model).cuda(), conn)
+            lora = virtualize(lora_model(model, base=build_builtin(model).cuda()), conn)
+            with torch.no_grad():
+                logits = [virt(x).logits for _ in range(3)]
+            tokens = virt.generate(x[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            grads = []
+            for _ in range(3):
+                lora.zero_grad()
+                lora(input_ids=x, labels=x).loss.backward()
+                grads.append(lora_grads(lora))
+            conn.transport.confirm()
+            got[flags], stats[flags] = (logits, tokens, grads), conn.stats()
+            conn.close()
+    (graphed, eager) = got.values()
+    s = stats[()]
+    assert s.graph_captures > 0 and s.graph_replays > s.calls // 2, s
+    assert stats[("--graph-tokens", "0")].graph_replays == 0
+    for a, b in zip(graphed[0] + [graphed[1]], eager[0] + [eager[1]]):
+        assert torch.equal(a, b)
+    for ga, gb in zip(graphed[2], eager[2]):
+        assert ga and ga.keys() == gb.keys()
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), name
+
+
 def test_two_placements_at_once():
     """A CPU tenant and a same-GPU tenant of one executor, concurrently, both exact."""
     import threading

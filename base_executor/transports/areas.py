@@ -50,6 +50,8 @@ class Areas:
     awaiting: int = 0  # the input_seq queued on `stream` to wait for (0: none)
     warm: bool = False  # the data loop's GEMMs have run on `stream` once
     checked: dict = dataclasses.field(default_factory=dict)  # call headers found valid for this data area (LocalServer._check)
+    graphs: "object | None" = None  # base_executor.graphs.CallGraphs of its calls on the data loop's stream
+    own_graphs: "object | None" = None  # ... and on `stream`
 
     @property
     def data(self):
@@ -187,6 +189,12 @@ class AreaPool:
                 drop_stream(self.device, areas.stream)
                 areas.stream = None
                 areas.box.unmap_words(self.device)
+            if areas.graphs is not None or areas.own_graphs is not None:
+                torch.cuda.current_stream(self.device).synchronize()  # no replay still runs in their pool
+                for graphs in (areas.graphs, areas.own_graphs):
+                    if graphs is not None:
+                        graphs.close()
+                areas.graphs = areas.own_graphs = None
             if areas.pinned:
                 from proto.cuda_ipc import unpin_host
 

@@ -64,9 +64,15 @@ class LocalServerConfig:
     queued on the tenant's own stream behind a GPU wait (else such calls wait on the host)."""
     input_timeout_s: float = 30.0
     """How long a same-GPU tenant's input copy may take to finish before the tenant is detached."""
+    graph_tokens: int = 2048
+    """A same-GPU tenant's call of at most this many tokens is run as a CUDA graph once its unit, op,
+    shape and mailbox offsets come again (base_executor/graphs.py); 0: never. The graphs of a
+    tenant hold their largest MLP unit's intermediates (~4 intermediate widths per token)."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
+        if self.graph_tokens < 0:
+            raise ValueError(f"graph_tokens must be >= 0 (0: no graphs), got {self.graph_tokens}")
         if not 0 < self.mailbox_bytes <= self.max_mailbox_bytes:
             raise ValueError(
                 f"need 0 < mailbox_bytes ({self.mailbox_bytes}) <= max_mailbox_bytes ({self.max_mailbox_bytes})"
@@ -86,6 +92,7 @@ class LocalServer(LocalControl, LocalCalls):
         # batches (never under a running batch; the scheduler is only ever touched by that thread)
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
+        self._capture_stream = None  # where graphs of calls on it are captured (LocalCalls._side_stream)
         self._next_id = 1
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
@@ -273,6 +280,8 @@ class LocalServer(LocalControl, LocalCalls):
         stream_wait(stream.cuda_stream, areas.words, req.input_seq)
         areas.awaiting = req.input_seq  # (releasing it releases any before)
         call.tag.stream = stream
+        if call.graphs is not None:
+            call.graphs = self._graphs(areas, own=True)
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
             self._deliver(self.core.run_now(call))

@@ -9,7 +9,10 @@ import dataclasses
 import logging
 import time
 
+import torch
+
 from base_executor.core import CallError, Result
+from base_executor.graphs import CallGraphs
 from base_executor.scheduler import Call
 from base_executor.transports.areas import Tenant
 from proto import codec, mailbox
@@ -34,12 +37,12 @@ class Delivery:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Told:
-    """One tenant's replies of a delivery, and how its GPU learns that their results are in."""
+    """One tenant's results of a delivery, and how its GPU learns that their results are in."""
 
     stream: object  # the stream that wrote the results
     seq: int = 0  # the latest input_seq among the calls: written to the output word
     event: bool = False  # some call had no input_seq: output_ready is recorded
-    replies: list = dataclasses.field(default_factory=list)
+    results: list = dataclasses.field(default_factory=list)
 
 
 class LocalCalls:
@@ -48,17 +51,19 @@ class LocalCalls:
     def _to_call(self, t: Tenant, req: pb.CallRequest) -> Call:
         if req.payload:
             raise CallError(pb.INVALID_ARGUMENT, "local:// calls carry tensors in the mailbox, not in payload")
-        unit, in_shape, out_shape, dtype = self._check(t, req)
+        unit, in_shape, out_shape, dtype, key = self._check(t, req)
         out_dtype = self.core.dtype
         area = t.area
         x = area.view(req.in_offset, in_shape, dtype)
-        out = None
+        out = graphs = None
         if x.device != self.core.device:
             x = x.to(self.core.device, non_blocking=bool(t.areas.pinned))  # a copy, DMA when page-locked
         elif unit.kind == "embedding":
             x = x.clone()  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
         else:  # a call run alone writes straight into the output mailbox
             out = area.view(req.out_offset, (in_shape[0], out_shape[-1]), out_dtype)
+            if x.is_cuda:  # (a same-GPU tenant's device mailbox)
+                graphs = self._graphs(t.areas, own=False)  # on the data loop's stream, unless _run_waiting moves it
         if unit.kind == "embedding":
             self.core.check_ids(unit, x)
         return Call(
@@ -72,19 +77,41 @@ class LocalCalls:
             arrived=time.monotonic(),
             tag=Delivery(t, area, req.out_offset, req.input_seq),
             out=out,
+            graphs=graphs,
+            graph_key=key,
         )
+
+    def _graphs(self, areas, own: bool):
+        """The CallGraphs of a same-GPU tenant's calls on its own stream (own) or on the data
+        loop's; None when graphs are off."""
+        graphs = areas.own_graphs if own else areas.graphs
+        if graphs is None and self.config.graph_tokens:
+            graphs = CallGraphs(self.core.device, self.config.graph_tokens, self.core.counters, self._side_stream)
+            if own:
+                areas.own_graphs = graphs
+            else:
+                areas.graphs = graphs
+        return graphs
+
+    def _side_stream(self):
+        """Where graphs of calls on the data loop's (legacy default) stream are captured."""
+        if self._capture_stream is None:
+            stream = torch.cuda.Stream(self.core.device)
+            self.core.warm_up(stream)  # its cuBLAS workspaces exist before a capture uses them
+            self._capture_stream = stream
+        return self._capture_stream
 
     def _check(self, t: Tenant, req: pb.CallRequest):
         """Validates a call's header against the served units and t's data area: (unit, input
-        shape, output shape, input dtype) as ExecutorCore.check, or CallError. A tenant repeats a
-        few headers over and over (one per unit and shape): those found valid are remembered
-        for the data area (a grow makes a new one)."""
+        shape, output shape, input dtype) as ExecutorCore.check, and the header's key, or
+        CallError. A tenant repeats a few headers over and over (one per unit and shape): those
+        found valid are remembered for the data area (a grow makes a new one)."""
         key = (req.unit, req.op, req.dtype, tuple(req.shape), req.in_offset, req.out_offset)
         checked = t.areas.checked
         found = checked.get(key)
         if found is not None:
             return found
-        unit, in_shape, out_shape, dtype = found = self.core.check(req.unit, req.op, req.dtype, req.shape)
+        unit, in_shape, out_shape, dtype = self.core.check(req.unit, req.op, req.dtype, req.shape)
         out_dtype = self.core.dtype
         in_bytes = codec.nbytes(in_shape, dtype)
         out_bytes = codec.nbytes(out_shape, out_dtype)
@@ -107,7 +134,7 @@ class LocalCalls:
             raise CallError(pb.INVALID_ARGUMENT, f"input bytes at {req.in_offset} and output bytes at {req.out_offset} overlap")
         if len(checked) >= MAX_CHECKED:
             checked.clear()
-        checked[key] = found
+        found = checked[key] = (unit, in_shape, out_shape, dtype, key)
         return found
 
     def _deliver(self, results: list[Result]) -> None:
@@ -119,7 +146,7 @@ class LocalCalls:
                 if self.tenants.get(t.id) is not t or t.area is not d.area:
                     continue  # detached or regrown mid-call: nobody to tell
                 try:
-                    reply = self._deliver_one(t, r, d.out_offset)
+                    self._place(t, r, d.out_offset)
                 except Exception as e:  # one tenant's failed reply never stops the others'
                     log.exception("delivering to tenant %d failed", t.id)
                     self._reclaim(t, f"its reply could not be delivered: {type(e).__name__}")
@@ -131,32 +158,38 @@ class LocalCalls:
                         out.seq = d.input_seq
                 else:
                     out.event = True
-                out.replies.append(reply)
+                out.results.append(r)
             for tid, out in told.items():
                 t = self.tenants.get(tid)
                 if t is None:
                     continue
-                # before any reply: the tenant's GPU (or its host, told by the reply) waits for our writes
+                # first (the tenant's GPU waits for it, not for the reply), and before any reply:
+                # the tenant's GPU (or its host, told by the reply) waits for our writes
                 if out.seq:
                     stream_write(out.stream.cuda_stream, t.areas.out_word, out.seq)
                 if out.event and t.gpu is not None:
                     t.gpu.output_ready.record(out.stream)
-                for reply in out.replies:
-                    self._push(t, reply)
+                for r in out.results:
+                    self._push(t, self._reply(r))
                 t.box.reply_bell.ring()
 
-    def _deliver_one(self, t: Tenant, r: Result, out_offset: int) -> pb.CallReply:
-        """Writes r's result into t's mailbox (unless the GEMM wrote it there); returns its reply."""
+    def _place(self, t: Tenant, r: Result, out_offset: int) -> None:
+        """Writes r's result into t's mailbox, unless the GEMM wrote it there."""
+        if r.error is None:
+            y = r.y
+            dest = t.area.view(out_offset, y.shape, y.dtype)
+            if dest.data_ptr() != y.data_ptr():
+                dest.copy_(y)
+
+    @staticmethod
+    def _reply(r: Result) -> pb.CallReply:
         if r.error is not None:
             return pb.CallReply(call_id=r.call.call_id, status=r.error.status())
         y = r.y
-        dest = t.area.view(out_offset, y.shape, y.dtype)
-        if dest.data_ptr() != y.data_ptr():  # not already written there by the GEMM
-            dest.copy_(y)
-        reply = pb.CallReply(
-            call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape), out_offset=out_offset
+        return pb.CallReply(
+            call_id=r.call.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape),
+            out_offset=r.call.tag.out_offset,
         )
-        return reply
 
     def _reply_error(self, t: Tenant, call_id: int, err: CallError) -> None:
         self._push(t, pb.CallReply(call_id=call_id, status=err.status()))

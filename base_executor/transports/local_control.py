@@ -175,6 +175,8 @@ class LocalControl:
             errors=k.errors,
             rss_anon_bytes=rss_anon_bytes(),
             mailbox_bytes=self._mailbox_bytes(),
+            graph_replays=k.graph_replays,
+            graph_captures=k.graph_captures,
             units=[
                 pb.UnitStats(unit=u, calls=k.per_unit[u], batches=k.per_unit_batches[u], tokens=k.per_unit_tokens[u])
                 for u in sorted(k.per_unit)

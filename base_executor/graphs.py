@@ -1,0 +1,114 @@
+"""CUDA graphs of lone calls: a same-GPU tenant's call reads its input from and writes its result
+to fixed places of its device mailbox, so its GEMMs (one for a Linear, five to ten kernels for an
+MLP unit) can be captured once per (unit, op, shape, offsets) and replayed after: one graph
+launch instead of a launch through torch per kernel, which is most of the executor's host time
+per call on a slow host (BENCHMARKS.md, S6).
+
+A replay runs the kernels the eager ops chose when captured, so its result is bitwise the eager
+one (tests/test_gpu.py compares them). One CallGraphs holds the graphs of one data area on one
+stream: replays on one stream never overlap, so its graphs share one memory pool for their
+intermediates (an MLP unit's), the pool holding the largest of them. A graph uses the cuBLAS
+workspace of the stream it was captured on, so it is captured on the stream it is replayed on;
+the legacy default stream cannot be captured, so its graphs are captured on a side stream whose
+workspace nothing else uses. The eager ops stay the slow twin: a call is run eagerly the first
+time its key is seen, always beyond `max_tokens`, and where capture fails.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from base_executor import runner
+from base_executor.catalog import CONV1D, LINEAR, MLP
+from base_executor.scheduler import Call
+from proto import executor_pb2 as pb
+
+log = logging.getLogger("base_executor")
+
+CAPTURE_AT = 2  # a key is captured the second time it is seen: one-off shapes stay eager
+MAX_GRAPHS = 512  # per CallGraphs; the oldest key goes first beyond it (a decode uses ~50, a training step ~150)
+
+
+class _Entry:
+    __slots__ = ("seen", "graph", "y", "failed")
+
+    def __init__(self):
+        self.seen = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.y: torch.Tensor | None = None  # the result in the mailbox, in the call's output shape
+        self.failed = False
+
+
+class CallGraphs:
+    """The graphs of one data area's calls run on one stream."""
+
+    def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None):
+        """counters: core.Counters (graph_replays, graph_captures are counted there).
+        side_stream: () -> a warmed-up stream to capture on when the calls run on the legacy
+        default stream (which cannot be captured)."""
+        self.device = device
+        self.max_tokens = max_tokens
+        self.counters = counters
+        self._side_stream = side_stream
+        self._pool = None
+        self._entries: dict[object, _Entry] = {}
+
+    def run(self, call: Call, key, exact: bool) -> torch.Tensor:
+        """call's result, written into call.out (its [tokens, d_out] place in the mailbox), viewed
+        as call.out_shape. `key` names the call's unit, op, shape and mailbox offsets."""
+        e = self._entries.get(key)
+        if e is not None and e.graph is not None:
+            e.graph.replay()
+            self.counters.graph_replays += 1
+            return e.y
+        if e is None:
+            if len(self._entries) >= MAX_GRAPHS:
+                del self._entries[next(iter(self._entries))]  # (a replay still queued keeps its graph alive on the GPU)
+            e = self._entries[key] = _Entry()
+        e.seen += 1
+        if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):
+            try:
+                e.graph = self._capture(call, exact)
+            except Exception as ex:  # the eager ops serve it from now on
+                e.failed = True
+                log.warning("capturing a CUDA graph of %s %s failed (%s: %s); it runs eagerly",
+                            call.unit.id, pb.Op.Name(call.op), type(ex).__name__, ex)
+            else:
+                e.y = call.out.view(call.out_shape)
+                e.graph.replay()
+                self.counters.graph_captures += 1
+                self.counters.graph_replays += 1
+                return e.y
+        return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+
+    def _capturable(self, call: Call) -> bool:
+        if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, MLP):
+            return False
+        # an activation without a backward op of its own is differentiated by autograd
+        return not (call.unit.kind == MLP and call.op == pb.BACKWARD and call.unit.act_backward is None)
+
+    def _capture(self, call: Call, exact: bool) -> torch.cuda.CUDAGraph:
+        """Captures the call's ops (nothing runs); the caller replays the graph."""
+        stream = torch.cuda.current_stream(self.device)
+        on = stream if stream.cuda_stream != 0 else self._side_stream()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.set_stream(on)
+        try:
+            # thread_local: the control thread may allocate meanwhile (an attach), which a global
+            # capture would refuse
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                runner.run(call.unit, call.op, call.x, exact, call.out)
+            finally:
+                graph.capture_end()
+        finally:
+            torch.cuda.set_stream(stream)
+        return graph
+
+    def close(self) -> None:
+        """Drops every graph and, with the last, the pool; no replay may still be running."""
+        self._entries.clear()
+        self._pool = None
