@@ -36,7 +36,7 @@ from base_executor.transports.areas import AreaPool, Tenant, owner_alive
 from base_executor.transports.local_calls import LocalCalls
 from base_executor.transports.local_control import LocalControl
 from proto import mailbox, urls
-from proto.cuda_ipc import reached, stream_wait
+from proto.cuda_ipc import reached, stream_wait, stream_write
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
@@ -284,7 +284,11 @@ class LocalServer(LocalControl, LocalCalls):
             call.graphs = self._graphs(areas, own=True)
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
-            self._deliver(self.core.run_now(call))
+            results = self.core.run_now(call)
+            if results[0].error is None:  # the tenant's GPU waits for this write, not for the reply: write it first
+                stream_write(stream.cuda_stream, areas.out_word, req.input_seq)
+                call.tag.word_written = True
+            self._deliver(results)
         finally:
             torch.cuda.set_stream(self._stream)
         return True
