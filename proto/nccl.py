@@ -27,7 +27,6 @@ def _group(store, rank: int, device: torch.device):
     # One tenant's group timing out must never take the executor down: no watchdog aborts.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(days=365)  # a call may wait on its peer as long as the peer lives
     with torch.cuda.device(device):

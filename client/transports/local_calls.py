@@ -96,6 +96,23 @@ class LocalCalls:
             except Exception:  # (the error being raised says more)
                 pass
 
+
+def native_lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem, url: str):
+    """The native call path of a mailbox whose calls order on our GPU by words, where the native
+    stream operations are built and the CUDA driver is there (else None: calls make their steps
+    from Python)."""
+    from proto.cuda_ipc import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        return None
+    try:
+        return ops.Lane(box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, wake_mem,
+                        order.region.ptr, order.words, order.out_word, order.device.index)
+    except (RuntimeError, ValueError, TypeError) as e:  # (a native module of another version)
+        warnings.warn(f"{url}: no native call path ({e}); calls make their steps from Python", RuntimeWarning, stacklevel=3)
+        return None
+
     def _nccl_call(self, unit, op, x: torch.Tensor, out_shape, out_dtype, latency, take):
         """A call from another GPU through the tenant's NCCL group (proto/nccl.py): the request
         first; once the executor answers OK (its receive, GEMM and send are queued by then) our
@@ -135,20 +152,3 @@ class LocalCalls:
             self._close()
         except Exception:
             pass
-
-
-def native_lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem, url: str):
-    """The native call path of a mailbox whose calls order on our GPU by words, where the native
-    stream operations are built and the CUDA driver is there (else None: calls make their steps
-    from Python)."""
-    from proto.cuda_ipc import native_ops
-
-    ops = native_ops()
-    if ops is None:
-        return None
-    try:
-        return ops.Lane(box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.RING_SLOTS, mailbox.RING_SLOT_SIZE, wake_mem,
-                        order.region.ptr, order.words, order.out_word, order.device.index)
-    except (RuntimeError, ValueError, TypeError) as e:  # (a native module of another version)
-        warnings.warn(f"{url}: no native call path ({e}); calls make their steps from Python", RuntimeWarning, stacklevel=3)
-        return None
