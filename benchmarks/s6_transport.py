@@ -75,9 +75,8 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
     p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait "
-                   "same-gpu-eager peer-gpu peer-gpu-nccl (same-gpu-wait: each call waits for its reply instead of returning before it; "
-                   "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs; peer-gpu-nccl: another GPU through an NCCL group, "
-                   "peer-gpu: through the executor's device mailbox by CUDA IPC)")
+                   "same-gpu-eager peer-gpu (same-gpu-wait: each call waits for its reply instead of returning before it; "
+                   "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -87,7 +86,7 @@ def main() -> int:
         w = torch.randn(HIDDEN, HIDDEN)
         placements = [("cpu-executor", "cpu", "float32", "cpu")]
         if torch.cuda.device_count() > 1:
-            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1"), ("peer-gpu-nccl", "cuda:0", "bfloat16", "cuda:1")]
+            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
                            ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0"),
@@ -107,7 +106,7 @@ def main() -> int:
             url = f"local://s6-{os.getpid()}-{len(rows)}"
             proc = serve(tmp, url, ex_device, dtype, spin, ["--graph-tokens", "0"] if name.startswith("same-gpu-eager") else [])
             try:
-                conn = connect(url, spin_us=spin, other_gpu="nccl" if name.startswith("peer-gpu-nccl") else "peer-copy")
+                conn = connect(url, spin_us=spin)
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
                 t.return_early = not name.startswith("same-gpu-wait")

@@ -16,27 +16,17 @@ from proto import codec
 from proto import executor_pb2 as pb
 
 
-OTHER_GPU_PLANES = ("peer-copy", "nccl")
-
-
 class Connection:
     """One tenant identity at one executor. Attaches on first use; close() detaches."""
 
     def __init__(
-        self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
-        other_gpu: str = "peer-copy",
+        self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None
     ):
-        """other_gpu: the data plane of a tenant on another GPU of the executor's host: "peer-copy"
-        (the executor's device mailbox by CUDA IPC, copied over the peer link) or "nccl" (a
-        two-rank NCCL group with the executor, proto/nccl.py)."""
-        if other_gpu not in OTHER_GPU_PLANES:
-            raise ValueError(f"other_gpu must be one of {', '.join(OTHER_GPU_PLANES)}, got {other_gpu!r}")
         self.url = url
         self.name = name or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
         self.transport: Transport = open_transport(url)
         if spin_us is not None:
             self.transport.spin_us = spin_us
-        self.transport.other_gpu = other_gpu
         self._latency = latency
         self._mailbox_bytes = mailbox_mb << 20
         self._catalog: pb.CatalogReply | None = None

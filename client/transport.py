@@ -26,7 +26,6 @@ class Transport(abc.ABC):
         self.token = ""
         self.device = torch.device("cpu")
         self.area_device: torch.device | None = None  # the executor's GPU, when the data area is there
-        self.other_gpu = "peer-copy"  # another GPU of the host: "peer-copy" (CUDA IPC) or "nccl" (OTHER_GPU_PLANES)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one call in flight per tenant
 
@@ -83,10 +82,8 @@ class Transport(abc.ABC):
             served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
             self.area_device = mappable_device(served_on, self.device)
             uuid = served_on if self.area_device is not None else ""
-        nccl = self.other_gpu == "nccl" and uuid != "" and self.area_device != self.device
         request = pb.AttachRequest(
-            tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid,
-            nccl=nccl,
+            tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid
         )
         reply = self.control("attach", request).attach
         self.tenant_id, self.token = reply.tenant_id, reply.token

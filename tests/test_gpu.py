@@ -181,7 +181,7 @@ def test_same_gpu_tenant_killed_mid_call():
     _killed_mid_call("cuda:0")
 
 
-def _killed_mid_call(device: str, plane: str = "peer-copy") -> None:
+def _killed_mid_call(device: str) -> None:
     """A GPU tenant SIGKILLed mid-call: the executor detaches it, frees its device mailbox (its
     process is gone) and keeps serving."""
     import os
@@ -193,7 +193,7 @@ def _killed_mid_call(device: str, plane: str = "peer-copy") -> None:
     from tests.conftest import REPO
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
-        victim = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "gpu_loop_job.py"), ex.url, device, plane],
+        victim = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "jobs", "gpu_loop_job.py"), ex.url, device],
                                   stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert victim.stdout.readline().strip() == "ready"
         time.sleep(1.0)
@@ -545,19 +545,14 @@ def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.parametrize("plane", ["peer-copy", "nccl"])
-def test_peer_gpu_tenant_parity(name, plane):
-    """Tenant on another GPU of the host: the executor's device mailbox mapped by CUDA IPC, peer
-    copies; or an NCCL group with the executor for the activations (the ids still by peer copy)."""
-    from client import connect
-
+def test_peer_gpu_tenant_parity(name):
+    """Tenant on another GPU of the host: the executor's device mailbox mapped by CUDA IPC, peer copies."""
     torch.backends.cuda.matmul.allow_tf32 = False
     with running_executor(name, "--device", "cuda:0") as ex:
         dev = torch.device("cuda:1")
         torch.cuda.set_device(dev)
         ref = build_builtin(name).to(dev)
-        conns = [connect(ex.url, other_gpu=plane) for _ in range(2)]
-        virt = virtualize(build_builtin(name).to(dev), conns[0])
+        virt = virtualize(build_builtin(name).to(dev), ex.url)
         assert torch.cuda.current_device() == 1  # mapping the executor's GPU left our device alone
         x = ids(2, 13).to(dev)
         with torch.no_grad():
@@ -566,20 +561,16 @@ def test_peer_gpu_tenant_parity(name, plane):
             torch.testing.assert_close(out, ref(x).logits, rtol=1e-5, atol=1e-5)
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
-        ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), conns[1])
+        ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), ex.url)
         for m in (ref_l, virt_l):
             m(input_ids=x, labels=x).loss.backward()
         assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-5)
         assert "CUDA IPC" in ex.log()
-        assert all((c.transport._plane is not None) == (plane == "nccl") for c in conns)
-        for c in conns:
-            c.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("plane", ["peer-copy", "nccl"])
-def test_peer_gpu_tenant_killed_mid_call(plane):
-    _killed_mid_call("cuda:1", plane)
+def test_peer_gpu_tenant_killed_mid_call():
+    _killed_mid_call("cuda:1")
 
 
 @pytest.mark.parametrize("device", ["cuda:0", "cpu"])

@@ -88,7 +88,6 @@ class Tenant:
     held: tuple[pb.CallRequest, float] | None = None  # a same-GPU call whose input copy is still running
     waiting_since: float = 0.0  # when the call `areas.stream` waits for was taken
     last_call: float = 0.0  # when its last call was taken from its ring
-    nccl: "object | None" = None  # proto.nccl.Plane: its NCCL group, when it asked for one
 
     @property
     def box(self) -> mailbox.Mailbox:

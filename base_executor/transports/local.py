@@ -175,7 +175,7 @@ class LocalServer(LocalControl, LocalCalls):
                 continue
             deadline = self.core.scheduler.next_deadline()
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
-            if any(t.held or (t.nccl is not None and not t.nccl.ready()) for t in tenants):  # poll it soon
+            if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
             self.wake.wait(seq, self.config.spin_us, max(0, int((until - time.monotonic()) * 1e6)))
 
@@ -194,11 +194,6 @@ class LocalServer(LocalControl, LocalCalls):
         stream, which the GPU makes wait for the copy (when no other tenant's call could join it
         in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
-        if t.nccl is not None and not t.nccl.ready():  # its first exchange is still running
-            return n
-        if t.nccl is not None and t.nccl.failed:
-            self._reclaim(t, f"its NCCL group failed to connect ({t.nccl.failed})")
-            return n
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
             if t.held is not None:
                 req, since = t.held
@@ -225,9 +220,6 @@ class LocalServer(LocalControl, LocalCalls):
                 except DecodeError as e:
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
-                    continue
-                if req.nccl and not stopping:
-                    self._run_nccl(t, req)
                     continue
                 if t.gpu is not None and not stopping and not self._input_in(t, req):
                     if not self._run_waiting(t, req):
@@ -301,42 +293,6 @@ class LocalServer(LocalControl, LocalCalls):
             torch.cuda.set_stream(self._stream)
         return True
 
-    def _run_nccl(self, t: Tenant, req: pb.CallRequest) -> None:
-        """A call whose input comes by NCCL (proto/nccl.py): its receive, GEMM and the send of its
-        result are queued on t's own stream and its group's, then it is answered OK, upon which
-        the tenant sends. A tenant whose group breaks (a failure after the receive is queued)
-        is detached: nothing else could end the wait on the GPU."""
-        if t.nccl is None:
-            self._reply_error(t, req.call_id, CallError(pb.INVALID_ARGUMENT, "an nccl call from a tenant attached without an NCCL group"))
-            return
-        try:
-            call = self._to_call(t, req)
-            if call.unit.kind == "embedding":
-                raise CallError(pb.INVALID_ARGUMENT, "embedding ids travel in the mailbox, not by NCCL (they are checked here)")
-        except CallError as e:
-            self.core.counters.errors += 1
-            self._reply_error(t, req.call_id, e)
-            return
-        areas = t.areas
-        stream = call.tag.stream = areas.stream
-        if call.graphs is not None:
-            call.graphs = self._graphs(areas, own=True)
-        torch.cuda.set_stream(stream)
-        try:
-            t.nccl.recv(call.x)  # (the stream waits for it)
-            results = self.core.run_now(call)
-            if results[0].error is not None:
-                raise RuntimeError(results[0].error.message)
-            t.nccl.send(call.out)
-        except Exception as e:
-            log.exception("an NCCL call of tenant %d failed", t.id)
-            self._reply_error(t, req.call_id, CallError(pb.INTERNAL, f"{type(e).__name__}: {e}"))
-            self._reclaim(t, f"its NCCL call failed after its receive was queued: {type(e).__name__}", release=True)
-            return
-        finally:
-            torch.cuda.set_stream(self._stream)
-        self._deliver(results)
-
     def _may_join(self, o: Tenant, t: Tenant) -> bool:
         """Whether tenant o may send a call soon enough to share a batch with t's: it has none in,
         and it called within the longest wait the scheduler gives a call."""
@@ -368,8 +324,6 @@ class LocalServer(LocalControl, LocalCalls):
         call it already has a reply for still gets its input, and its areas wait for that."""
         if self.tenants.pop(t.id, None) is None:
             return
-        if t.nccl is not None:  # a send or receive still waiting for it on the GPU ends
-            t.nccl.abort()
         if release:
             t.areas.release_wait()
         t.box.mark_detached()

@@ -111,8 +111,6 @@ class LocalControl:
             return _error(pb.INVALID_ARGUMENT, f"attach names pid {a.pid}, which is no process on this host")
         size = a.mailbox_bytes or self.config.mailbox_bytes
         on_gpu = bool(a.device_uuid) and a.device_uuid == self.catalog.device_uuid
-        if a.nccl and not on_gpu:
-            return _error(pb.INVALID_ARGUMENT, "an NCCL data plane needs a tenant on a GPU of this host that can reach the executor's")
         if size > self.config.max_mailbox_bytes:
             return _error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
         with self.lock:
@@ -122,12 +120,6 @@ class LocalControl:
             self._next_id += 1
             areas = self.areas.new(tid, owner, size, on_gpu)
             t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
-            if a.nccl:
-                try:
-                    t.nccl = self._nccl_plane(areas)
-                except Exception as e:
-                    self.areas.retire(areas, owner)
-                    return _error(pb.INTERNAL, f"no NCCL group could be made: {type(e).__name__}: {e}")
             self.tenants[tid] = t
         log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
                  f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory" + (", page-locked)" if areas.pinned else ")"))
@@ -145,19 +137,8 @@ class LocalControl:
                 data_bytes=areas.data_bytes,
                 max_mailbox_bytes=self.config.max_mailbox_bytes,
                 cuda=_cuda_region(areas),
-                nccl_port=t.nccl.port if t.nccl is not None else 0,
             ),
         )
-
-    def _nccl_plane(self, areas):
-        """The executor's side of a tenant's NCCL group (proto/nccl.py), connecting meanwhile."""
-        from proto.nccl import Plane
-
-        if areas.stream is None:
-            raise RuntimeError("its calls need a stream of their own, and GPU waits on mailbox words are unavailable")
-        plane = Plane.listen(self.core.device)
-        plane.connect_async()
-        return plane
 
     def _grow(self, t: Tenant, data_bytes: int) -> pb.ControlReply:
         if data_bytes > self.config.max_mailbox_bytes:

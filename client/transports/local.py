@@ -55,7 +55,6 @@ class LocalTransport(LocalCalls, Transport):
         self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
         self._failures = 0  # the mailbox's count of failure replies when replies were last taken
-        self._plane = None  # proto.nccl.Plane: our NCCL group with the executor, when attached with one
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -71,10 +70,6 @@ class LocalTransport(LocalCalls, Transport):
         self._wake = Doorbell(self._wake_mem, 0)
         self._map(reply)  # (releases what an earlier mailbox still waited for)
         self._max_data = reply.max_mailbox_bytes
-        if reply.nccl_port:
-            from proto.nccl import Plane
-
-            self._plane = Plane.join(reply.nccl_port, self.device)
 
     def _executor_alive(self) -> bool:
         return alive(self._executor_pid)
@@ -134,10 +129,6 @@ class LocalTransport(LocalCalls, Transport):
             self._executor_gone(self._gone)
         if self._outstanding:  # an interrupted call is still running there: it is finished first
             self._finish_outstanding()
-        if self._plane is not None and x.device == self.device and x.is_floating_point():
-            if self._unanswered.busy:
-                self._collect(keep=0)
-            return self._nccl_call(unit, op, x, out_shape, out_dtype, latency, take)
         unanswered = self._unanswered
         native = self._lane is not None and self.native_calls and self.return_early and x.device == self._order.device
         if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
@@ -273,9 +264,6 @@ class LocalTransport(LocalCalls, Transport):
         )
 
     def _teardown(self) -> None:
-        if self._plane is not None:
-            self._plane.abort()
-            self._plane = None
         self._unmap()
         self._wake = None
         if self._wake_mem is not None:

@@ -12,10 +12,9 @@ import warnings
 import torch
 
 from client.errors import InternalError
-from client.transports.unanswered import Sent, reply_error
+from client.transports.unanswered import Sent
 from client.transports.words import StreamOrder
 from proto import codec, mailbox
-from proto import executor_pb2 as pb
 
 TAKE_EVERY = 16  # a native call takes the replies that came once this many calls are unanswered
 MAX_UNANSWERED = 32  # calls sent before the replies of some are waited for (the rings hold 64)
@@ -112,43 +111,3 @@ def native_lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem, url: str):
     except (RuntimeError, ValueError, TypeError) as e:  # (a native module of another version)
         warnings.warn(f"{url}: no native call path ({e}); calls make their steps from Python", RuntimeWarning, stacklevel=3)
         return None
-
-    def _nccl_call(self, unit, op, x: torch.Tensor, out_shape, out_dtype, latency, take):
-        """A call from another GPU through the tenant's NCCL group (proto/nccl.py): the request
-        first; once the executor answers OK (its receive, GEMM and send are queued by then) our
-        input goes by NCCL send and the result comes by NCCL receive, which our stream waits
-        for. Nothing is sent for a call the executor refuses."""
-        key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
-        plan = self._plans.get(key) or self._plan(key, x)  # (places them in the executor's data area)
-        x = x.detach().contiguous()
-        request = self._request(unit, op, x, latency, next(self._ids))
-        request.nccl = True
-        request.in_offset, request.out_offset = 0, mailbox.align(plan.in_nbytes)
-        self._unanswered.await_reply(request.call_id)
-        if not self._box.requests.push(request.SerializeToString()):
-            raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-        self._wake.ring(wake_always=True)
-        try:
-            reply = self._unanswered.wait_reply(request.call_id, self._sleep)
-        except BaseException:  # the executor may have queued a receive that nothing sends to
-            self._plane_broken()
-            raise
-        failure = reply_error(reply, request.unit, request.op, out_shape, out_dtype)
-        if failure is not None:
-            if reply.status.code == pb.OK:  # (a result other than asked for: it is sent anyway)
-                self._plane_broken()
-            raise failure
-        self._plane.send(x)
-        y = torch.empty(out_shape, dtype=out_dtype, device=x.device)
-        self._plane.recv(y)
-        return y if take is None else take(y)
-
-    def _plane_broken(self) -> None:
-        """The two sides of the NCCL group no longer agree on what comes next: it is ended, and
-        the tenant detached."""
-        self._plane.abort()
-        self._plane = None
-        try:
-            self._close()
-        except Exception:
-            pass

@@ -1,4 +1,4 @@
-"""A GPU tenant (argv[2], default cuda:0; argv[3]: its other_gpu plane) that calls forever (the test kills it mid-call)."""
+"""A GPU tenant (argv[2], default cuda:0) that calls forever (the test kills it mid-call)."""
 import os
 import sys
 
@@ -7,11 +7,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from base_executor.models import build_builtin  # noqa: E402
-from client import connect, virtualize  # noqa: E402
+from client import virtualize  # noqa: E402
 
 device = sys.argv[2] if len(sys.argv) > 2 else "cuda:0"
-plane = sys.argv[3] if len(sys.argv) > 3 else "peer-copy"
-model = virtualize(build_builtin("tiny-llama").to(device), connect(sys.argv[1], other_gpu=plane))
+model = virtualize(build_builtin("tiny-llama").to(device), sys.argv[1])
 x = torch.randint(1, 256, (4, 64), device=device)
 print("ready", flush=True)
 with torch.no_grad():
