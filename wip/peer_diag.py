@@ -1,3 +1,5 @@
+"""Other-GPU placement diagnosis (two GPUs): a tenant on cuda:1 against the unsplit model, with
+and without graph replays. Run from the repository root: python3 wip/peer_diag.py [peer-copy]"""
 import sys, torch
 sys.path.insert(0, ".")
 from base_executor.models import build_builtin
@@ -5,14 +7,14 @@ from client import connect, virtualize
 from tests.conftest import running_executor
 from tests.models import ids
 torch.backends.cuda.matmul.allow_tf32 = False
-planes = sys.argv[1].split(",")
+planes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["peer-copy"]
 for flags in ((), ("--graph-tokens", "0")):
     for plane in planes:
         try:
             with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
                 dev = torch.device("cuda:1"); torch.cuda.set_device(dev)
                 ref = build_builtin("tiny-llama").to(dev)
-                conn = connect(ex.url, other_gpu=plane)
+                conn = connect(ex.url) if plane == "peer-copy" else connect(ex.url, other_gpu=plane)
                 virt = virtualize(build_builtin("tiny-llama").to(dev), conn)
                 x = ids(2, 13).to(dev)
                 kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
