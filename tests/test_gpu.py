@@ -472,7 +472,8 @@ def test_compiled_generate_with_a_static_cache(mode):
 def test_calls_on_two_streams_keep_their_order():
     """Same GPU: a call made on another CUDA stream than the call before it is ordered after it
     (both use the mailbox's one input area and words): the first call's input copy sits behind
-    a long kernel on its stream, and both results are still right."""
+    a long kernel on its stream, the third call goes back to the default stream behind another,
+    and every result is still right."""
     from proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
@@ -492,10 +493,13 @@ def test_calls_on_two_streams_keep_their_order():
             y = call(x)
         with torch.cuda.stream(second):
             y2 = call(x2)
+            torch.cuda._sleep(500_000_000)  # ahead of nothing of ours: the next call must still wait for it
+        y3 = call(x)  # on the default stream, whose handle is 0
         torch.cuda.synchronize()
         t.confirm()
         torch.testing.assert_close(y.cpu(), want)
         torch.testing.assert_close(y2.cpu(), want2)
+        torch.testing.assert_close(y3.cpu(), want)
         conn.close()
 
 

@@ -63,8 +63,8 @@ class StreamOrder:
         if last is not None and last != stream:
             if self._switched is None:
                 self._switched = torch.cuda.Event()
-            self._switched.record(torch.cuda.ExternalStream(last, device=self.device))
-            torch.cuda.ExternalStream(stream, device=self.device).wait_event(self._switched)
+            self._switched.record(torch_stream(last, self.device))
+            torch_stream(stream, self.device).wait_event(self._switched)
         self.stream = stream
 
     def copy_in(self, x: torch.Tensor, stream: int) -> None:
@@ -77,7 +77,7 @@ class StreamOrder:
         the input word (returned), or, without words or with word=False (a copy from a peer GPU,
         whose streams cannot write our words), records input_ready (returns 0)."""
         if not (self.words and word):
-            self.region.input_ready.record(torch.cuda.ExternalStream(stream, device=self.device))
+            self.region.input_ready.record(torch_stream(stream, self.device))
             return 0
         self.seq = self.seq % 0xFFFFFFFF + 1  # never 0, which means "no word"
         stream_write(stream, self.words, self.seq)
@@ -89,14 +89,14 @@ class StreamOrder:
         if seq:
             stream_wait(stream, self.out_word, seq)
         else:
-            torch.cuda.ExternalStream(stream, device=self.device).wait_event(self.region.output_ready)
+            torch_stream(stream, self.device).wait_event(self.region.output_ready)
 
     def release_all(self, unanswered: Unanswered, timeout_s: float = 60.0) -> None:
         """Lets every wait of our stream for the output word go (when calls are unanswered, or the
         executor is gone or has detached us, no result may come for them), until the stream has
         passed them: a write the executor's GPU had queued may land after ours and set the word
         back."""
-        stream = torch.cuda.ExternalStream(self.stream, device=self.device) if self.stream else None
+        stream = torch_stream(self.stream, self.device) if self.stream is not None else None
         deadline = time.monotonic() + timeout_s
         while True:
             unanswered.release_every(self.seq)
@@ -116,6 +116,13 @@ class StreamOrder:
             except RuntimeError:
                 pass
             self.words = self.out_word = 0
+
+
+def torch_stream(stream: int, device: torch.device) -> torch.cuda.Stream:
+    """torch's object for the raw cudaStream_t `stream` of `device`. The default stream's handle
+    is 0, and torch.cuda.ExternalStream(0) is not that stream but a fresh one of torch's pool:
+    work recorded or waited on there is ordered with nothing of ours."""
+    return torch.cuda.default_stream(device) if stream == 0 else torch.cuda.ExternalStream(stream, device=device)
 
 
 def start_watchdog(transport) -> threading.Thread:
