@@ -5,7 +5,9 @@ Placements: `cpu-executor` (tenant and executor on the CPU, shared memory), `hos
 (tenant on the CPU, executor on the GPU, page-locked mailboxes), `same-gpu` (tenant on the
 executor's GPU, CUDA IPC mailboxes; `same-gpu-python`: the same with each call's steps made from
 Python instead of in one native call; `same-gpu-wait`: each call waits for its reply), `peer-gpu` (tenant on a second GPU: the executor's CUDA
-IPC mailbox, peer copies; needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
+IPC mailbox, peer copies on the tenant's streams, ordered by the mailbox's words; `peer-gpu-events`:
+ordered on the executor's GPU by the mailbox's events instead, each call waiting for its reply;
+needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
 q_proj of a one-layer Llama saved to a temporary directory.
 
     python benchmarks/s6_transport.py [--label mps]      # run once with MPS on, once without
@@ -75,7 +77,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
     p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait "
-                   "same-gpu-eager peer-gpu (same-gpu-wait: each call waits for its reply instead of returning before it; "
+                   "same-gpu-eager peer-gpu peer-gpu-events (same-gpu-wait: each call waits for its reply instead of returning before it; "
                    "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -86,7 +88,7 @@ def main() -> int:
         w = torch.randn(HIDDEN, HIDDEN)
         placements = [("cpu-executor", "cpu", "float32", "cpu")]
         if torch.cuda.device_count() > 1:
-            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1")]
+            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1"), ("peer-gpu-events", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
                            ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0"),
@@ -107,6 +109,7 @@ def main() -> int:
             proc = serve(tmp, url, ex_device, dtype, spin, ["--graph-tokens", "0"] if name.startswith("same-gpu-eager") else [])
             try:
                 conn = connect(url, spin_us=spin)
+                conn.transport.peer_streams = not name.startswith("peer-gpu-events")
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
                 t.return_early = not name.startswith("same-gpu-wait")

@@ -548,28 +548,43 @@ def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-def test_peer_gpu_tenant_parity(name):
-    """Tenant on another GPU of the host: the executor's device mailbox mapped by CUDA IPC, peer copies."""
+@pytest.mark.parametrize("name,own_streams", [("tiny-llama", True), ("tiny-gpt2", True), ("tiny-llama", False)])
+def test_peer_gpu_tenant_parity(name, own_streams):
+    """Tenant on another GPU of the host: the executor's device mailbox mapped by CUDA IPC, peer
+    copies on the tenant's streams, ordered by the mailbox's words (the native call path), also
+    while the current device is the executor's GPU; or (own_streams False, the path where words
+    cannot be mapped) ordered on the executor's GPU by the mailbox's events."""
+    from client import connect
+
     torch.backends.cuda.matmul.allow_tf32 = False
     with running_executor(name, "--device", "cuda:0") as ex:
         dev = torch.device("cuda:1")
         torch.cuda.set_device(dev)
         ref = build_builtin(name).to(dev)
-        virt = virtualize(build_builtin(name).to(dev), ex.url)
+        conn = connect(ex.url)
+        t = conn.transport
+        t.peer_streams = own_streams
+        virt = virtualize(build_builtin(name).to(dev), conn)
         assert torch.cuda.current_device() == 1  # mapping the executor's GPU left our device alone
+        assert t._order.peer == own_streams and (t._order.device == dev) == own_streams and t._lane is not None
         x = ids(2, 13).to(dev)
-        with torch.no_grad():
-            out = virt(x).logits
-            assert out.device == dev
-            torch.testing.assert_close(out, ref(x).logits, rtol=1e-5, atol=1e-5)
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
-        ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), ex.url)
+        want_tokens = ref.generate(x[:1], **kw)
+        for current in (1, 0):  # raw stream handles are the current device's: calls must not care
+            torch.cuda.set_device(current)
+            with torch.no_grad():
+                out = virt(x).logits
+                assert out.device == dev
+                torch.testing.assert_close(out, ref(x).logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(want_tokens, virt.generate(x[:1], **kw))
+            assert torch.cuda.current_device() == current
+        torch.cuda.set_device(dev)
+        ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), conn)
         for m in (ref_l, virt_l):
             m(input_ids=x, labels=x).loss.backward()
         assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-5)
         assert "CUDA IPC" in ex.log()
+        conn.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -14,6 +14,8 @@ reply.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from client.errors import (
     ExecutorUnavailableError,
@@ -52,6 +54,9 @@ class LocalTransport(LocalCalls, Transport):
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
         self.native_calls = True  # same GPU: a call's steps in one native call where it can (False: each from Python)
+        # a peer GPU of the executor's: calls ordered on our streams by the mailbox's words, as on its GPU
+        # (False, set before attaching: on its GPU by the mailbox's events, each call waiting for its reply)
+        self.peer_streams = True
         self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
         self._failures = 0  # the mailbox's count of failure replies when replies were last taken
@@ -84,10 +89,18 @@ class LocalTransport(LocalCalls, Transport):
         self._spin = self.spin_us if self.spin_us is not None else (GPU_SPIN_US if on_gpu else SPIN_US)
         order = None
         if on_gpu:
-            from proto.cuda_ipc import OpenedRegion
+            from proto.cuda_ipc import OpenedRegion, enable_peer_access
 
             c = reply.cuda
-            order = StreamOrder(OpenedRegion.open(self.area_device, c.size, c.mem_handle, c.input_ready, c.output_ready))
+            own = c.input_word and (self.peer_streams or self.device == self.area_device)
+            if own and self.device != self.area_device:  # our streams copy to and from it
+                try:
+                    enable_peer_access(self.device, self.area_device)
+                except RuntimeError as e:  # (copies still arrive, through the host)
+                    warnings.warn(f"{self.url}: no peer access from {self.device} to {self.area_device} ({e}); "
+                                  "copies to the executor's GPU go through the host", RuntimeWarning, stacklevel=2)
+            region = OpenedRegion.open(self.area_device, c.size, c.mem_handle, c.input_ready, c.output_ready)
+            order = StreamOrder(region, self.device if own else region.device)
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
@@ -129,6 +142,9 @@ class LocalTransport(LocalCalls, Transport):
             self._executor_gone(self._gone)
         if self._outstanding:  # an interrupted call is still running there: it is finished first
             self._finish_outstanding()
+        if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
+            with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
+                return self._call(unit, op, x, out_shape, out_dtype, latency, take)
         unanswered = self._unanswered
         native = self._lane is not None and self.native_calls and self.return_early and x.device == self._order.device
         if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
@@ -184,7 +200,7 @@ class LocalTransport(LocalCalls, Transport):
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
         if early:  # (the copy out is queued behind the wait)
-            result = plan.out.clone() if take is None else take(plan.out)  # (clone: S6 pieces, faster than empty + copy_async)
+            result = self._take(plan.out, stream, take)
             if len(self._unanswered) >= MAX_UNANSWERED:
                 self._collect(keep=MAX_UNANSWERED // 2)
             return result
@@ -201,6 +217,8 @@ class LocalTransport(LocalCalls, Transport):
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if order is not None:  # our stream waits for the executor's writes; the host does not
             order.wait_result(stream, seq)
+        if direct:
+            return self._take(y, stream, take)
         if y.device != x.device:  # a fresh copy on the caller's device
             y = y.to(x.device) if order is None else torch.empty_like(y, device=x.device).copy_(y)
             return y if take is None else take(y)

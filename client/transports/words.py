@@ -29,11 +29,14 @@ WATCH_S = 0.05  # the watchdog's period
 
 
 class StreamOrder:
-    """The order of one mailbox's calls on our GPU."""
+    """The order of one mailbox's calls on our GPU: the executor's, or a peer of it. On a peer our
+    stream copies the input across, writes the input word, waits for the output word and copies
+    the result back, exactly as on the executor's GPU; only without words (its events belong to
+    the executor's GPU) does a peer's call order on the executor's GPU instead."""
 
-    def __init__(self, region: OpenedRegion):
+    def __init__(self, region: OpenedRegion, device: torch.device | None = None):
         self.region = region  # the mailbox's data area on the executor's GPU, and its events
-        self.device = region.device
+        self.device = device or region.device  # where our calls' streams are
         self.words = 0  # device address of the input word, when our GPU writes it
         self.out_word = 0  # device address of the output word, when the executor's GPU writes it
         self.seq = 0  # the last input_seq written to the input word (a new mailbox's words start at 0)
@@ -48,6 +51,7 @@ class StreamOrder:
         except RuntimeError as e:  # (calls still work, each waiting for its reply)
             warnings.warn(f"{url}: the mailbox's words could not be mapped for {self.device} ({e}); "
                           "calls will wait for their replies", RuntimeWarning, stacklevel=3)
+            self.device = self.region.device  # (the events order calls there)
             return
         if output_word:
             self.out_word = out_word
@@ -71,6 +75,19 @@ class StreamOrder:
         """Queues the copy of x (contiguous, on our GPU) to the start of the data area on `stream`
         (x.copy_ for a fraction of its host time: csrc/stream_ops.cpp)."""
         copy_async(self.region.ptr, x.data_ptr(), x.numel() * x.element_size(), stream, self.device)
+
+    @property
+    def peer(self) -> bool:
+        """Whether our calls' streams are on another GPU than the data area."""
+        return self.device != self.region.device
+
+    def copy_out(self, view: torch.Tensor, stream: int) -> torch.Tensor:
+        """A fresh copy of `view` (of the data area) on our device, queued on `stream`."""
+        if not self.peer:
+            return view.clone()  # (on the current stream, which is `stream`)
+        y = torch.empty(view.shape, dtype=view.dtype, device=self.device)
+        copy_async(y.data_ptr(), view.data_ptr(), y.numel() * y.element_size(), stream, self.device)
+        return y
 
     def input_in(self, stream: int, word: bool = True) -> int:
         """Marks the input copied in so far on `stream` as complete: writes the next input_seq to
@@ -106,6 +123,11 @@ class StreamOrder:
 
     def close(self, box) -> None:
         """Drops the data area (after our GPU is done with it) and the words mapping."""
+        if self.peer:
+            try:
+                torch.cuda.synchronize(self.device)  # (our streams read and write the data area too)
+            except Exception:
+                pass
         try:
             self.region.close()  # synchronises: no queued write of ours touches the words after
         except Exception:  # the executor may be gone; its memory goes with it
