@@ -147,6 +147,11 @@ class LocalServer(LocalControl, LocalCalls):
         if self.core.device.type == "cuda":
             torch.cuda.set_device(self.core.device)
             self._stream = torch.cuda.current_stream(self.core.device)
+            if self.config.graph_tokens:
+                # warmed now, while no stream of ours waits for a tenant's input: its warm-up
+                # synchronises our GPU, which later would wait behind such a stream (a stalled
+                # tenant would stall everyone's first graph capture)
+                self._side_stream()
         next_liveness = time.monotonic() + self.config.liveness_interval_s
         while True:
             seq = self.wake.seq()
