@@ -82,9 +82,7 @@ class StreamOrder:
         return self.device != self.region.device
 
     def copy_out(self, view: torch.Tensor, stream: int) -> torch.Tensor:
-        """A fresh copy of `view` (of the data area) on our device, queued on `stream`."""
-        if not self.peer:
-            return view.clone()  # (on the current stream, which is `stream`)
+        """A fresh copy of `view` (of the data area) on our peer GPU, queued on `stream`."""
         y = torch.empty(view.shape, dtype=view.dtype, device=self.device)
         copy_async(y.data_ptr(), view.data_ptr(), y.numel() * y.element_size(), stream, self.device)
         return y
