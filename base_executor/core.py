@@ -154,7 +154,7 @@ class ExecutorCore:
             if len(calls) == 1:  # straight into the tenant's output mailbox when it offers one
                 c = calls[0]
                 if c.graphs is not None:
-                    return [Result(c, c.graphs.run(c, c.graph_key, exact))]
+                    return [Result(c, c.graphs.run(c, exact))]
                 return [Result(c, runner.run(c.unit, c.op, c.x, exact, c.out).view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = runner.run(calls[0].unit, calls[0].op, x, exact)

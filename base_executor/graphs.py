@@ -45,8 +45,8 @@ class CallGraphs:
 
     def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None):
         """counters: core.Counters (graph_replays, graph_captures are counted there).
-        side_stream: () -> a warmed-up stream to capture on when the calls run on the legacy
-        default stream (which cannot be captured)."""
+        side_stream: a warmed-up stream to capture on when the calls run on the legacy default
+        stream (which cannot be captured)."""
         self.device = device
         self.max_tokens = max_tokens
         self.counters = counters
@@ -54,9 +54,11 @@ class CallGraphs:
         self._pool = None
         self._entries: dict[object, _Entry] = {}
 
-    def run(self, call: Call, key, exact: bool) -> torch.Tensor:
+    def run(self, call: Call, exact: bool) -> torch.Tensor:
         """call's result, written into call.out (its [tokens, d_out] place in the mailbox), viewed
-        as call.out_shape. `key` names the call's unit, op, shape and mailbox offsets."""
+        as call.out_shape. Its graph is found by call.graph_key (its unit, op, shape and mailbox
+        offsets)."""
+        key = call.graph_key
         e = self._entries.get(key)
         if e is not None and e.graph is not None:
             e.graph.replay()
@@ -91,7 +93,7 @@ class CallGraphs:
     def _capture(self, call: Call, exact: bool) -> torch.cuda.CUDAGraph:
         """Captures the call's ops (nothing runs); the caller replays the graph."""
         stream = torch.cuda.current_stream(self.device)
-        on = stream if stream.cuda_stream != 0 else self._side_stream()
+        on = stream if stream.cuda_stream != 0 else self._side_stream
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

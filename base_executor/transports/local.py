@@ -92,7 +92,7 @@ class LocalServer(LocalControl, LocalCalls):
         # batches (never under a running batch; the scheduler is only ever touched by that thread)
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
-        self._capture_stream = None  # where graphs of calls on it are captured (LocalCalls._side_stream)
+        self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
         self._next_id = 1
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
@@ -148,10 +148,11 @@ class LocalServer(LocalControl, LocalCalls):
             torch.cuda.set_device(self.core.device)
             self._stream = torch.cuda.current_stream(self.core.device)
             if self.config.graph_tokens:
-                # warmed now, while no stream of ours waits for a tenant's input: its warm-up
-                # synchronises our GPU, which later would wait behind such a stream (a stalled
-                # tenant would stall everyone's first graph capture)
-                self._side_stream()
+                # warmed now (its cuBLAS workspaces exist before a capture uses them), while no
+                # stream of ours waits for a tenant's input: the warm-up synchronises our GPU,
+                # which later would wait behind such a stream
+                self._capture_stream = torch.cuda.Stream(self.core.device)
+                self.core.warm_up(self._capture_stream)
         next_liveness = time.monotonic() + self.config.liveness_interval_s
         while True:
             seq = self.wake.seq()

@@ -9,8 +9,6 @@ import dataclasses
 import logging
 import time
 
-import torch
-
 from base_executor.core import CallError, Result
 from base_executor.graphs import CallGraphs
 from base_executor.scheduler import Call
@@ -87,20 +85,12 @@ class LocalCalls:
         loop's; None when graphs are off."""
         graphs = areas.own_graphs if own else areas.graphs
         if graphs is None and self.config.graph_tokens:
-            graphs = CallGraphs(self.core.device, self.config.graph_tokens, self.core.counters, self._side_stream)
+            graphs = CallGraphs(self.core.device, self.config.graph_tokens, self.core.counters, self._capture_stream)
             if own:
                 areas.own_graphs = graphs
             else:
                 areas.graphs = graphs
         return graphs
-
-    def _side_stream(self):
-        """Where graphs of calls on the data loop's (legacy default) stream are captured."""
-        if self._capture_stream is None:
-            stream = torch.cuda.Stream(self.core.device)
-            self.core.warm_up(stream)  # its cuBLAS workspaces exist before a capture uses them
-            self._capture_stream = stream
-        return self._capture_stream
 
     def _check(self, t: Tenant, req: pb.CallRequest):
         """Validates a call's header against the served units and t's data area: (unit, input
