@@ -36,7 +36,7 @@ from base_executor.transports.areas import AreaPool, Tenant, owner_alive
 from base_executor.transports.local_calls import LocalCalls
 from base_executor.transports.local_control import LocalControl
 from proto import mailbox, urls
-from proto.cuda_ipc import reached, stream_wait, stream_write
+from proto.cuda_ipc import reached, stream_wait
 from proto import executor_pb2 as pb
 from proto._doorbell import Doorbell
 
@@ -290,11 +290,7 @@ class LocalServer(LocalControl, LocalCalls):
             call.graphs = self._graphs(areas, own=True)
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
-            results = self.core.run_now(call)
-            if results[0].error is None:  # the tenant's GPU waits for this write, not for the reply: write it first
-                stream_write(stream.cuda_stream, areas.out_word, req.input_seq)
-                call.tag.word_written = True
-            self._deliver(results)
+            self._deliver(self.core.run_now(call))  # (which writes the output word first, on this stream)
         finally:
             torch.cuda.set_stream(self._stream)
         return True

@@ -31,7 +31,6 @@ class Delivery:
     out_offset: int
     input_seq: int  # written to the mailbox's output word once the result is in place (0: none)
     stream: object = None  # the stream that runs the call; None: the data loop's
-    word_written: bool = False  # input_seq is already queued for the output word (LocalServer._run_waiting)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -145,7 +144,7 @@ class LocalCalls:
                 out = told.setdefault(t.id, _Told(d.stream or self._stream))
                 if d.input_seq and t.areas.out_word:
                     # a failed call's word is the tenant's to write (client/transports/unanswered.py)
-                    if r.error is None and not d.word_written and (not out.seq or reached(d.input_seq, out.seq)):
+                    if r.error is None and (not out.seq or reached(d.input_seq, out.seq)):
                         out.seq = d.input_seq
                 else:
                     out.event = True
