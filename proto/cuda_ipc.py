@@ -106,7 +106,7 @@ def enable_peer_access(a: torch.device, b: torch.device) -> None:
     """Lets copies between memory on GPUs `a` and `b` go directly (NVLink or PCIe peer to peer),
     whichever GPU's stream they are queued on. Both ways are needed: with access from `a` to `b`
     only, the driver still stages a copy through the host (16 MiB between two H200s over NVLink:
-    460 µs against 47-54 µs, benchmarks/RESULTS.md). torch enables it only around its own copies."""
+    455-462 µs against 46-54 µs, benchmarks/RESULTS.md). torch enables it only around its own copies."""
     for device, peer in ((a, b), (b, a)):
         with _current(peer):  # (retains its primary context)
             pass
