@@ -59,7 +59,9 @@ def test_eight_tenants_hammering_one_executor(tmp_path):
                 assert observer.stats().tenants == TENANTS
                 open(go_file, "w").close()
                 outputs = [p.communicate(timeout=HAMMER_SECONDS + 60)[0] for p in procs]
-                stats = observer.stats()
+                deadline = time.monotonic() + 5  # (the data loop frees a retired mailbox soon after its detach)
+                while (stats := observer.stats()).mailbox_bytes and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 health = observer.health()
         finally:
             for p in procs:

@@ -203,7 +203,7 @@ def _killed_mid_call(device: str) -> None:
             victim.kill()
             victim.wait()
             deadline = time.monotonic() + 10
-            while observer.stats().tenants != 0 and time.monotonic() < deadline:
+            while (observer.stats().tenants != 0 or observer.stats().mailbox_bytes != 0) and time.monotonic() < deadline:
                 time.sleep(0.1)
             after = observer.stats()
         assert after.tenants == 0 and after.mailbox_bytes == 0
@@ -251,7 +251,9 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
         probe = ids(1, 5).cuda()
         with torch.no_grad():
             want_logits = ref(probe).logits
-            bystander(probe)
+            # (also loads the comparison's kernels: a first launch, CUDA lazy loading, synchronises
+            # our GPU, which would wait behind the sleep below)
+            torch.testing.assert_close(bystander(probe).logits, want_logits, rtol=1e-5, atol=1e-5)
         side = torch.cuda.Stream()
         got = {}
 
@@ -266,11 +268,14 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
         time.sleep(0.5)
         t0 = time.monotonic()
         with torch.no_grad():
-            torch.testing.assert_close(bystander(probe).logits, want_logits, rtol=1e-5, atol=1e-5)
+            logits = bystander(probe).logits
+        torch.cuda.current_stream().synchronize()
         served_in = time.monotonic() - t0
-        assert th.is_alive(), "the stalled call should still be waiting for its input copy"
+        stalled_still = th.is_alive()
         th.join(60)
         assert served_in < 1.0, f"the bystander waited {served_in:.2f} s behind a stalled tenant"
+        assert stalled_still, f"the stalled call should still wait for its input copy (the bystander took {served_in:.2f} s)"
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["y"], want)
 
 
@@ -532,6 +537,8 @@ def test_tenant_killed_while_the_gpu_waits_for_its_input():
 def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
     """A detached same-GPU tenant's region is not freed while its process lives (it may still
     map it); the same process attaching again gets it back instead of a new one."""
+    import time
+
     from client import connect
 
     with running_executor("tiny-llama", "--device", "cuda:0", "--mailbox-mb", "4") as ex:
@@ -540,6 +547,9 @@ def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
         with connect(ex.url) as observer:
             held = observer.stats().mailbox_bytes  # its rings on the host, 4 MiB on the GPU
             first.close()
+            deadline = time.monotonic() + 5  # retired, it counts whole until the data loop releases it
+            while observer.stats().mailbox_bytes != 4 << 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert observer.stats().mailbox_bytes == 4 << 20  # the device region is parked, not freed
             again = connect(ex.url)
             again.ensure_attached("cuda:0")

@@ -62,6 +62,11 @@ class Areas:
     def data_bytes(self) -> int:
         return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
 
+    @property
+    def total_bytes(self) -> int:
+        """The host mailbox and the device region together."""
+        return mailbox.Mailbox.total_bytes(self.box.data_bytes) + (self.gpu.nbytes if self.gpu is not None else 0)
+
     def waiting(self) -> bool:
         """Whether `stream` may still wait for a tenant's input. Its own progress says so, not the
         word, which the tenant could set back."""
@@ -228,9 +233,12 @@ class AreaPool:
         with self._lock:
             return any(areas.waiting() for areas, _ in self._retired)
 
-    def parked_bytes(self) -> int:
+    def held_bytes(self) -> int:
+        """The bytes of areas out of use and not yet freed: retired (until the data loop releases
+        them, which may wait for a stalled call) and parked device regions."""
         with self._lock:
-            return sum(r.nbytes for rs in self._parked.values() for r in rs)
+            retired = sum(areas.total_bytes for areas, _ in self._retired)
+            return retired + sum(r.nbytes for rs in self._parked.values() for r in rs)
 
     def close(self) -> None:
         """At shutdown, after release_retired(): every parked region goes."""

@@ -162,8 +162,8 @@ class LocalControl:
 
     def _mailbox_bytes(self) -> int:
         with self.lock:
-            live = sum(mailbox.Mailbox.total_bytes(t.box.data_bytes) + (t.gpu.nbytes if t.gpu else 0) for t in self.tenants.values())
-        return live + self.areas.parked_bytes()
+            live = sum(t.areas.total_bytes for t in self.tenants.values())
+        return live + self.areas.held_bytes()
 
     def _stats(self) -> pb.StatsReply:
         k = self.core.counters
