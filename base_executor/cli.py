@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
-        gpu_waits=not args.no_gpu_waits, graph_tokens=args.graph_tokens,
+        gpu_waits=not args.no_gpu_waits, graph_tokens=args.graph_tokens, native_serve=not args.no_native_serve,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--graph-tokens", type=int, default=2048, help="same GPU: a call of at most this many tokens runs "
                    "as a CUDA graph once its unit, op, shape and mailbox offsets come again (one launch instead of one "
                    "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")
+    s.add_argument("--no-native-serve", action="store_true", help="same GPU: serve every call from Python (by default "
+                   "a lone tenant's calls that repeat one already run as a CUDA graph are served natively, no Python per call)")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

@@ -53,6 +53,7 @@ class Counters:
     errors: int = 0
     graph_replays: int = 0  # lone calls run as a replay of a CUDA graph (graphs.py), captures included
     graph_captures: int = 0
+    native_calls: int = 0  # served by a tenant's native lane (transports/local_calls.py), counted in the others too
     per_unit: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_unit_batches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_unit_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)

@@ -53,6 +53,12 @@ class CallGraphs:
         self._side_stream = side_stream
         self._pool = None
         self._entries: dict[object, _Entry] = {}
+        self.on_drop = None  # called with a key whose graph goes (beyond MAX_GRAPHS), before it goes
+
+    def graph_of(self, key) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of `key`, if any: it lives until on_drop(key) or close()."""
+        e = self._entries.get(key)
+        return e.graph if e is not None else None
 
     def run(self, call: Call, exact: bool) -> torch.Tensor:
         """call's result, written into call.out (its [tokens, d_out] place in the mailbox), viewed
@@ -66,7 +72,10 @@ class CallGraphs:
             return e.y
         if e is None:
             if len(self._entries) >= MAX_GRAPHS:
-                del self._entries[next(iter(self._entries))]  # (a replay still queued keeps its graph alive on the GPU)
+                oldest = next(iter(self._entries))
+                if self.on_drop is not None:
+                    self.on_drop(oldest)
+                del self._entries[oldest]  # (a replay still queued keeps its graph alive on the GPU)
             e = self._entries[key] = _Entry()
         e.seen += 1
         if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):

@@ -4,7 +4,9 @@ every placement this machine can run, against the GEMM alone, side by side in on
 Placements: `cpu-executor` (tenant and executor on the CPU, shared memory), `host->gpu`
 (tenant on the CPU, executor on the GPU, page-locked mailboxes), `same-gpu` (tenant on the
 executor's GPU, CUDA IPC mailboxes; `same-gpu-python`: the same with each call's steps made from
-Python instead of in one native call; `same-gpu-wait`: each call waits for its reply), `peer-gpu` (tenant on a second GPU: the executor's CUDA
+Python instead of in one native call; `same-gpu-wait`: each call waits for its reply;
+`same-gpu-python-serve`: the executor serves every call from Python, no native lane;
+`same-gpu-eager`: no CUDA graphs either), `peer-gpu` (tenant on a second GPU: the executor's CUDA
 IPC mailbox, peer copies on the tenant's streams, ordered by the mailbox's words; `peer-gpu-events`:
 ordered on the executor's GPU by the mailbox's events instead, each call waiting for its reply;
 needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
@@ -78,11 +80,13 @@ def main() -> int:
     p.add_argument("--spin-us", type=int, nargs="+", default=[None], help="spin before sleeping, both sides; one row per value (default: the defaults)")
     p.add_argument("--placements", nargs="+", default=None, help="subset of cpu-executor host->gpu same-gpu same-gpu-python same-gpu-wait "
                    "same-gpu-eager peer-gpu peer-gpu-events (same-gpu-wait: each call waits for its reply instead of returning before it; "
-                   "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs)")
+                   "same-gpu-python: the tenant's call steps in Python; same-gpu-eager: the executor replays no CUDA graphs; "
+                   "same-gpu-python-serve: the executor serves every call from Python, no native lane)")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows: dict[str, dict[int, float]] = {}
+    served: dict[str, dict[str, int]] = {}  # the executor's counts per placement
     with tempfile.TemporaryDirectory() as tmp:
         make_model(tmp)
         w = torch.randn(HIDDEN, HIDDEN)
@@ -92,7 +96,7 @@ def main() -> int:
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
                            ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0"),
-                           ("same-gpu-eager", "cuda:0", "bfloat16", "cuda:0")]
+                           ("same-gpu-eager", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-python-serve", "cuda:0", "bfloat16", "cuda:0")]
             wg = w.to("cuda", torch.bfloat16)
             rows["GEMM alone (GPU, bf16)"] = {
                 n: median_us(lambda x=torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16): torch.nn.functional.linear(x, wg), sync, a.calls)
@@ -106,7 +110,8 @@ def main() -> int:
                 if a.placements is None or p[0] in a.placements]
         for name, spin, ex_device, dtype, tenant_device in runs:
             url = f"local://s6-{os.getpid()}-{len(rows)}"
-            proc = serve(tmp, url, ex_device, dtype, spin, ["--graph-tokens", "0"] if name.startswith("same-gpu-eager") else [])
+            flags = {"same-gpu-eager": ["--graph-tokens", "0"], "same-gpu-python-serve": ["--no-native-serve"]}
+            proc = serve(tmp, url, ex_device, dtype, spin, next((f for k, f in flags.items() if name.startswith(k)), []))
             try:
                 conn = connect(url, spin_us=spin)
                 conn.transport.peer_streams = not name.startswith("peer-gpu-events")
@@ -122,12 +127,14 @@ def main() -> int:
                     tsync = (lambda d=tenant_device: torch.cuda.synchronize(d)) if tenant_device != "cpu" else (lambda: None)
                     row[n] = median_us(lambda: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE), tsync, calls)
                 rows[name] = row
+                st = conn.stats()
+                served[name] = {"calls": st.calls, "graph_replays": st.graph_replays, "native_calls": st.native_calls}
                 conn.close()
             finally:
                 proc.terminate()
                 proc.wait(60)
     out = {"label": a.label, "hidden": HIDDEN, "gpu": torch.cuda.get_device_name() if cuda else None,
-           "torch": torch.__version__, "median_us": rows}
+           "torch": torch.__version__, "median_us": rows, "executor": served}
     path = REPO / "benchmarks" / "out" / f"s6_transport{'-' + a.label if a.label else ''}.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
@@ -135,6 +142,9 @@ def main() -> int:
     print(f"{'placement':26s}" + "".join(f"{n:>10d}" for n in TOKENS))
     for name, row in rows.items():
         print(f"{name:26s}" + "".join(f"{row[n]:10.1f}" for n in TOKENS))
+    for name, counts in served.items():
+        print(f"{name}: executor served {counts['calls']} calls, {counts['graph_replays']} graph replays, "
+              f"{counts['native_calls']} native")
     return 0
 
 

@@ -127,6 +127,26 @@ class Ring {
     return std::move(out);
   }
 
+  // Consumer side: the message at the front, left there (its length; *msg null when the ring
+  // is empty or its indices or length prefix are inconsistent, which pop() then reports).
+  uint32_t peek(const uint8_t** msg) {
+    *msg = nullptr;
+    uint64_t tail = tail_ref().load(std::memory_order_relaxed);
+    uint64_t head = head_ref().load(std::memory_order_acquire);
+    if (head == tail || head - tail > nslots_) return 0;
+    const uint8_t* slot = slot_at(tail);
+    uint32_t len32 = 0;
+    std::memcpy(&len32, slot, 4);
+    if (len32 > max_message()) return 0;
+    *msg = slot + 4;
+    return len32;
+  }
+
+  // Consumer side, after peek() found a message: it is consumed.
+  void drop_front() {
+    tail_ref().store(tail_ref().load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
+
   uint64_t pending() const {
     uint64_t head = const_cast<Ring*>(this)->head_ref().load(std::memory_order_acquire);
     uint64_t tail = const_cast<Ring*>(this)->tail_ref().load(std::memory_order_acquire);

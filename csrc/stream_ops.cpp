@@ -13,6 +13,11 @@
 //   Lane                                  one mailbox's same-GPU call in one native call: copies the
 //                                         input in, writes the input word, pushes the request, rings
 //                                         the executor and queues the wait for the output word
+//   ServeLane                             the executor's side of one such mailbox: serves the calls
+//                                         at its request ring's front that repeat a call already run
+//                                         as a CUDA graph replay (a wait for the input word, the
+//                                         graph's launch, the output word's write, the reply), with
+//                                         no Python per call
 //
 // The driver (libcuda.so.1) is opened at first use, so the module builds and imports on machines
 // without CUDA; available() says whether it could be opened. The GIL is released around each
@@ -27,6 +32,8 @@
 
 #include <cstdint>
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -49,6 +56,8 @@ struct Driver {
   CUresult (*ctx_set_current)(CUcontext) = nullptr;
   CUresult (*device_get)(CUdevice*, int) = nullptr;
   CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*graph_launch)(void*, CUstream) = nullptr;
+  CUresult (*stream_query)(CUstream) = nullptr;
   std::string why;  // why the driver could not be opened; empty when it was
 };
 
@@ -76,7 +85,8 @@ const Driver& driver() {
               resolve(lib, d.wait_value32, "cuStreamWaitValue32_v2", "cuStreamWaitValue32") &&
               resolve(lib, d.error_string, "cuGetErrorString") &&
               resolve(lib, d.ctx_get_current, "cuCtxGetCurrent") && resolve(lib, d.ctx_set_current, "cuCtxSetCurrent") &&
-              resolve(lib, d.device_get, "cuDeviceGet") && resolve(lib, d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+              resolve(lib, d.device_get, "cuDeviceGet") && resolve(lib, d.primary_ctx_retain, "cuDevicePrimaryCtxRetain") &&
+              resolve(lib, d.graph_launch, "cuGraphLaunch") && resolve(lib, d.stream_query, "cuStreamQuery");
     if (!ok) d.why = "libcuda.so.1 lacks a driver function symbiont needs (a driver older than CUDA 11.7?)";
   });
   if (!d.why.empty()) throw std::runtime_error(d.why);
@@ -213,6 +223,174 @@ class Lane {
   uint32_t pushed_ = 0, waited_ = 0;
 };
 
+// A request as Lane::send writes it: a header (a CallRequest with neither call_id nor input_seq),
+// then call_id (field 1) and input_seq (field 10) as varints, and nothing after. Walks the
+// protobuf fields up to the first field 1; false when the request is not of that shape.
+bool split_request(const uint8_t* p, size_t len, size_t* header_len, uint64_t* call_id, uint32_t* seq) {
+  auto varint = [&](size_t& i, uint64_t& v) {
+    v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (i >= len) return false;
+      uint8_t b = p[i++];
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) return true;
+    }
+    return false;
+  };
+  size_t i = 0;
+  while (i < len) {
+    size_t start = i;
+    uint64_t tag = 0, v = 0;
+    if (!varint(i, tag)) return false;
+    uint64_t field = tag >> 3, wire = tag & 7;
+    if (field == 1 && wire == 0) {  // the tail: call_id, input_seq, end
+      *header_len = start;
+      uint64_t s = 0;
+      if (!varint(i, v) || i >= len || p[i++] != 0x50 || !varint(i, s) || i != len || s == 0 || s > 0xFFFFFFFFull) return false;
+      *call_id = v;
+      *seq = static_cast<uint32_t>(s);
+      return true;
+    }
+    if (field == 1 || field == 10) return false;
+    switch (wire) {
+      case 0:
+        if (!varint(i, v)) return false;
+        break;
+      case 1:
+        i += 8;
+        break;
+      case 2:
+        if (!varint(i, v) || v > len - i) return false;
+        i += v;
+        break;
+      case 5:
+        i += 4;
+        break;
+      default:
+        return false;
+    }
+    if (i > len) return false;
+  }
+  return false;
+}
+
+// The executor's side of one same-GPU mailbox whose words its GPU can wait on. Python serves a
+// call the first times (checks, scheduling, a CUDA graph captured on this mailbox's own stream)
+// and then teaches the lane its request header (learn); from then on serve() takes the requests
+// with that exact header off the ring's front and, for each, queues on the stream the wait for
+// its input word, the graph's launch and the output word's write, then pushes the reply Python
+// would push (the reply learnt, with this call's call_id). The first request it does not know
+// (or a full reply ring) stops it: Python takes it from there, so the calls keep their order.
+// Only the data loop uses a lane, under the server's lock.
+class ServeLane {
+ public:
+  ServeLane(py::object mailbox, size_t request_ring_offset, size_t reply_ring_offset, uint32_t nslots,
+            uint32_t slot_size, size_t reply_bell_offset, uintptr_t stream, uintptr_t input_word,
+            uintptr_t output_word, int device)
+      : requests_(mailbox, request_ring_offset, nslots, slot_size),
+        replies_(mailbox, reply_ring_offset, nslots, slot_size),
+        bell_(mailbox, reply_bell_offset),
+        stream_(stream),
+        input_word_(input_word),
+        output_word_(output_word),
+        device_(device) {}
+
+  // Serves calls of `header` from now on: `graph_exec` (a cudaGraphExec_t the caller keeps alive
+  // until forget) computes it, `reply` is its CallReply without call_id; `index` names it in counts().
+  void learn(const py::bytes& header, uintptr_t graph_exec, const py::bytes& reply, uint32_t index) {
+    entries_[std::string(header)] = Entry{graph_exec, std::string(reply), index, 0};
+  }
+
+  void forget(const py::bytes& header) {
+    auto it = entries_.find(std::string(header));
+    if (it != entries_.end()) {
+      unfolded_.emplace_back(it->second.index, it->second.served);
+      entries_.erase(it);
+    }
+  }
+
+  size_t size() const { return entries_.size(); }
+
+  // Serves at most `most` calls off the ring's front (see the class); returns how many.
+  int serve(int most) {
+    const Driver& d = driver();
+    ensure_context(d, device_);
+    int n = 0;
+    const char* failed = nullptr;
+    CUresult rc = 0;
+    std::string key;
+    {
+      py::gil_scoped_release release;
+      while (n < most && !replies_.full()) {
+        const uint8_t* msg = nullptr;
+        uint32_t len = requests_.peek(&msg);
+        size_t header_len = 0;
+        uint64_t call_id = 0;
+        uint32_t seq = 0;
+        if (msg == nullptr || !split_request(msg, len, &header_len, &call_id, &seq)) break;
+        key.assign(reinterpret_cast<const char*>(msg), header_len);
+        auto it = entries_.find(key);
+        if (it == entries_.end()) break;
+        Entry& e = it->second;
+        if (n == 0) was_idle_ = d.stream_query(as_stream(stream_)) == 0;
+        if ((rc = d.wait_value32(as_stream(stream_), input_word_, seq, 0 /* GEQ */)) != 0) { failed = "cuStreamWaitValue32"; break; }
+        requests_.drop_front();  // (its GPU wait is queued: from here on it is ours)
+        awaiting_ = seq;
+        if ((rc = d.graph_launch(reinterpret_cast<void*>(e.graph_exec), as_stream(stream_))) != 0) { failed = "cuGraphLaunch"; ++n; break; }
+        if ((rc = d.write_value32(as_stream(stream_), output_word_, seq, 0)) != 0) { failed = "cuStreamWriteValue32"; ++n; break; }
+        uint8_t head[1 + 10];
+        size_t h = 0;
+        head[h++] = 0x08;  // field 1 (call_id), varint; a parser merges it with the rest
+        while (call_id >= 0x80) {
+          head[h++] = static_cast<uint8_t>(call_id | 0x80);
+          call_id >>= 7;
+        }
+        head[h++] = static_cast<uint8_t>(call_id);
+        replies_.push_parts(head, h, reinterpret_cast<const uint8_t*>(e.reply.data()), e.reply.size());
+        ++e.served;
+        ++n;
+      }
+      if (n) bell_.ring(false);
+    }
+    if (failed) check(rc, failed);
+    return n;
+  }
+
+  // (index, calls served) per entry since the last call, forgotten entries included; resets them.
+  py::list take_counts() {
+    py::list out;
+    for (auto& [index, served] : unfolded_) out.append(py::make_tuple(index, served));
+    unfolded_.clear();
+    for (auto& [header, e] : entries_) {
+      if (e.served) out.append(py::make_tuple(e.index, e.served));
+      e.served = 0;
+    }
+    return out;
+  }
+
+  // The input_seq the stream was last made to wait for (0: none yet).
+  uint32_t awaiting() const { return awaiting_; }
+  // Whether the stream had finished all its work when the last serve() that served began.
+  bool was_idle() const { return was_idle_; }
+
+ private:
+  struct Entry {
+    uintptr_t graph_exec;
+    std::string reply;
+    uint32_t index;
+    uint64_t served;
+  };
+
+  symbiont_shm::Ring requests_, replies_;
+  symbiont_shm::Doorbell bell_;
+  uintptr_t stream_, input_word_, output_word_;
+  int device_;
+  std::unordered_map<std::string, Entry> entries_;
+  std::vector<std::pair<uint32_t, uint64_t>> unfolded_;
+  uint32_t awaiting_ = 0;
+  bool was_idle_ = false;
+};
+
 bool available() {
   try {
     driver();
@@ -238,4 +416,24 @@ PYBIND11_MODULE(_stream_ops, m) {
            py::arg("call_id"), py::arg("seq"))
       .def_property_readonly("pushed", &Lane::pushed)
       .def_property_readonly("waited", &Lane::waited);
+  py::class_<ServeLane>(m, "ServeLane")
+      .def(py::init<py::object, size_t, size_t, uint32_t, uint32_t, size_t, uintptr_t, uintptr_t, uintptr_t, int>(),
+           py::arg("mailbox"), py::arg("request_ring_offset"), py::arg("reply_ring_offset"), py::arg("nslots"),
+           py::arg("slot_size"), py::arg("reply_bell_offset"), py::arg("stream"), py::arg("input_word"),
+           py::arg("output_word"), py::arg("device"))
+      .def("learn", &ServeLane::learn, py::arg("header"), py::arg("graph_exec"), py::arg("reply"), py::arg("index"))
+      .def("forget", &ServeLane::forget, py::arg("header"))
+      .def("serve", &ServeLane::serve, py::arg("most"))
+      .def("take_counts", &ServeLane::take_counts)
+      .def("__len__", &ServeLane::size)
+      .def_property_readonly("awaiting", &ServeLane::awaiting)
+      .def_property_readonly("was_idle", &ServeLane::was_idle);
+  m.def("split_request", [](const py::bytes& raw) -> py::object {
+    std::string s(raw);
+    size_t header_len = 0;
+    uint64_t call_id = 0;
+    uint32_t seq = 0;
+    if (!split_request(reinterpret_cast<const uint8_t*>(s.data()), s.size(), &header_len, &call_id, &seq)) return py::none();
+    return py::make_tuple(header_len, call_id, seq);
+  }, py::arg("raw"), "(header length, call_id, input_seq) of a request as Lane.send writes it, else None.");
 }

@@ -100,3 +100,42 @@ def test_wakes_a_sleeping_process():
     p.join(10)
     assert p.exitcode == 0
     os.close(fd)
+
+
+def test_split_request_finds_the_header_a_native_call_writes():
+    """proto._stream_ops.split_request (the executor's native lane keys calls by their header):
+    a request as the tenant's Lane.send writes it, a header then call_id and input_seq, splits
+    into those; the header parsed and serialised again is the header itself; a request of any
+    other shape is not split (Python serves it)."""
+    import random
+
+    from proto import executor_pb2 as pb
+    from proto._stream_ops import split_request
+
+    header = pb.CallRequest(unit="model.layers.0.mlp", op=pb.FORWARD, dtype=pb.BFLOAT16, shape=[2, 7, 64], out_offset=2048,
+                            latency=pb.INFERENCE).SerializeToString()
+    for call_id, seq in ((1, 1), (300, 0xFFFFFFFF), (1 << 40, 128)):
+        raw = header + pb.CallRequest(call_id=call_id, input_seq=seq).SerializeToString()
+        assert split_request(raw) == (len(header), call_id, seq)
+        again = pb.CallRequest.FromString(raw)
+        assert (again.call_id, again.input_seq) == (call_id, seq)
+        again.ClearField("call_id")
+        again.ClearField("input_seq")
+        assert again.SerializeToString() == header
+    whole = pb.CallRequest(call_id=5, unit="u", op=pb.FORWARD, shape=[1, 64], input_seq=3).SerializeToString()
+    tail = pb.CallRequest(call_id=5, input_seq=3).SerializeToString()
+    for raw in (
+        whole,  # call_id first, input_seq last: Python serialised it
+        header + pb.CallRequest(call_id=5).SerializeToString(),  # no input_seq
+        header + pb.CallRequest(call_id=5, input_seq=3).SerializeToString() + b"\x10\x01",  # something after it
+        header + tail[:-1],  # cut short
+        header[:-1] + tail,  # a header cut short
+        b"",
+        tail[2:],
+    ):
+        assert split_request(raw) is None, raw
+    rng = random.Random(0)
+    for _ in range(2000):  # never reads past the message, whatever it holds
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        got = split_request(raw)
+        assert got is None or got[0] < len(raw)

@@ -114,12 +114,13 @@ def test_native_call_path_equals_the_python_one():
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-phi3", "tiny-gpt2"])
 def test_graph_replays_equal_eager_calls(model):
-    """Same GPU: an executor that replays CUDA graphs of repeated calls (the default) gives bitwise
-    the logits, greedy tokens and LoRA gradients of one that runs every call eagerly
+    """Same GPU: an executor that replays CUDA graphs of repeated calls and serves their repeats
+    natively (the default) gives bitwise the logits, greedy tokens and LoRA gradients of one that
+    serves every call from Python (--no-native-serve) and of one that runs every call eagerly
     (--graph-tokens 0), and replays most calls (MLP units' forward and backward included)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     got, stats = {}, {}
-    for flags in ((), ("--graph-tokens", "0")):
+    for flags in ((), ("--no-native-serve",), ("--graph-tokens", "0")):
         with running_executor(model, "--device", "cuda:0", *flags) as ex:
             from client import connect
 
@@ -138,16 +139,19 @@ def test_graph_replays_equal_eager_calls(model):
             conn.transport.confirm()
             got[flags], stats[flags] = (logits, tokens, grads), conn.stats()
             conn.close()
-    (graphed, eager) = got.values()
+    (native, graphed, eager) = got.values()
     s = stats[()]
-    assert s.graph_captures > 0 and s.graph_replays > s.calls // 2, s
-    assert stats[("--graph-tokens", "0")].graph_replays == 0
-    for a, b in zip(graphed[0] + [graphed[1]], eager[0] + [eager[1]]):
-        assert torch.equal(a, b)
-    for ga, gb in zip(graphed[2], eager[2]):
-        assert ga and ga.keys() == gb.keys()
-        for name in ga:
-            assert torch.equal(ga[name], gb[name]), name
+    assert s.graph_captures > 0 and s.graph_replays > s.calls // 2 and s.native_calls > s.calls // 4, s
+    assert stats[("--no-native-serve",)].native_calls == 0 and stats[("--no-native-serve",)].graph_replays > s.calls // 2
+    assert stats[("--graph-tokens", "0")].graph_replays == 0 and stats[("--graph-tokens", "0")].native_calls == 0
+    assert s.calls == stats[("--graph-tokens", "0")].calls  # (native calls are counted)
+    for other in (graphed, eager):
+        for a, b in zip(native[0] + [native[1]], other[0] + [other[1]]):
+            assert torch.equal(a, b)
+        for ga, gb in zip(native[2], other[2]):
+            assert ga and ga.keys() == gb.keys()
+            for name in ga:
+                assert torch.equal(ga[name], gb[name]), name
 
 
 def test_two_placements_at_once():

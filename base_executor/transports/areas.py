@@ -52,6 +52,9 @@ class Areas:
     checked: dict = dataclasses.field(default_factory=dict)  # call headers found valid for this data area (LocalServer._check)
     graphs: "object | None" = None  # base_executor.graphs.CallGraphs of its calls on the data loop's stream
     own_graphs: "object | None" = None  # ... and on `stream`
+    lane: "object | None" = None  # proto._stream_ops.ServeLane: serves repeats of own_graphs' calls natively
+    lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
+    lane_units: list = dataclasses.field(default_factory=list)  # (unit id, tokens) by the lane's entry index
 
     @property
     def data(self):
@@ -185,6 +188,7 @@ class AreaPool:
                     self._retired.append((areas, owner))
                 continue
             drop_calls(areas.data)  # calls still queued read the area: they go first
+            areas.lane = None  # (its counts were taken at retire; it holds an export of the mailbox)
             if areas.words:
                 from proto.cuda_ipc import drop_stream
 

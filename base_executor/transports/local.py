@@ -68,6 +68,9 @@ class LocalServerConfig:
     """A same-GPU tenant's call of at most this many tokens is run as a CUDA graph once its unit, op,
     shape and mailbox offsets come again (base_executor/graphs.py); 0: never. The graphs of a
     tenant hold their largest MLP unit's intermediates (~4 intermediate widths per token)."""
+    native_serve: bool = True
+    """Whether a lone same-GPU tenant's calls that repeat one already run as a CUDA graph on its own
+    stream are served natively (proto._stream_ops.ServeLane: no Python per call)."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
@@ -93,6 +96,7 @@ class LocalServer(LocalControl, LocalCalls):
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
+        self._native_failed = False  # a lane could not be taught a call: no native serving from then on
         self._next_id = 1
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
@@ -171,6 +175,7 @@ class LocalServer(LocalControl, LocalCalls):
                 self._deliver(results)
                 ran = True
             if stopping and self.core.scheduler.pending() == 0:
+                self._fold_lanes()
                 log.info("drained; %d calls served", self.core.counters.calls)
                 return
             now = time.monotonic()
@@ -201,6 +206,8 @@ class LocalServer(LocalControl, LocalCalls):
         in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
+            if t.areas.lane is not None and t.held is None and not stopping and self._alone(t):
+                n += self._serve_lane(t)  # up to the first call it does not know, which we take next
             if t.held is not None:
                 req, since = t.held
                 if not self._input_in(t, req):
@@ -227,11 +234,13 @@ class LocalServer(LocalControl, LocalCalls):
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
                     continue
-                if t.gpu is not None and not stopping and not self._input_in(t, req):
-                    if not self._run_waiting(t, req):
+                if t.gpu is not None and not stopping:
+                    if self._run_waiting(t, req):
+                        continue
+                    if not self._input_in(t, req):
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
                         t.held = (req, time.monotonic())
-                    continue
+                        continue
             if stopping:
                 self._reply_error(t, req.call_id, CallError(pb.UNAVAILABLE, "executor is shutting down"))
                 continue
@@ -249,22 +258,19 @@ class LocalServer(LocalControl, LocalCalls):
         return t.gpu.input_ready.query()
 
     def _run_waiting(self, t: Tenant, req: pb.CallRequest) -> bool:
-        """Runs a call whose input is still being copied on t's own stream, behind a GPU wait for
-        its input word, when nothing would join it in a batch anyway (every other tenant already
-        has a call in). The host never waits for the tenant's GPU work, and a tenant whose copy
-        never ends stalls only its own stream. False when the call must be held instead."""
+        """Runs a same-GPU call at once on t's own stream, behind a GPU wait for its input word
+        (which passes at once when the copy is done), when nothing would join it in a batch anyway
+        (every other tenant already has a call in). The host never waits for the tenant's GPU
+        work, and a tenant whose copy never ends stalls only its own stream. A call run as a graph
+        replay there teaches t's native lane its header (_learn). False when the call must go
+        the scheduler's way instead (held first while its input is not in)."""
         areas = t.areas
         if not (self.config.gpu_waits and req.input_seq and areas.stream is not None):
             return False
         unit = self.core.table.get(req.unit)
         if unit is None or unit.kind == "embedding":  # its ids are checked on the host
             return False
-        if self.core.scheduler.waiting(t.id):
-            # an earlier call of t is queued: its GEMM must be on the GPU before anything waits for
-            # an input the tenant's GPU makes only after that GEMM's output (else a synchronising
-            # CUDA call of ours, run meanwhile, would wait forever)
-            return False
-        if any(self._may_join(o, t) for o in self.tenants.values()):
+        if not self._alone(t):
             return False
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
@@ -290,10 +296,27 @@ class LocalServer(LocalControl, LocalCalls):
             call.graphs = self._graphs(areas, own=True)
         torch.cuda.set_stream(stream)  # (torch.cuda.stream() costs ~17 us of host time more)
         try:
-            self._deliver(self.core.run_now(call))  # (which writes the output word first, on this stream)
+            results = self.core.run_now(call)
+            self._deliver(results)  # (which writes the output word first, on this stream)
         finally:
             torch.cuda.set_stream(self._stream)
+        if self.config.native_serve and not self._native_failed:
+            try:
+                self._learn(t, req, call, results[0])
+            except Exception as e:  # the calls are served from Python as before
+                self._native_failed = True
+                log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
+
+    def _alone(self, t: Tenant) -> bool:
+        """Whether t's next call would run alone: no call of t is queued, and no other tenant may
+        send one soon enough to join it."""
+        if self.core.scheduler.waiting(t.id):
+            # an earlier call of t is queued: its GEMM must be on the GPU before anything waits for
+            # an input the tenant's GPU makes only after that GEMM's output (else a synchronising
+            # CUDA call of ours, run meanwhile, would wait forever)
+            return False
+        return not any(self._may_join(o, t) for o in self.tenants.values())
 
     def _may_join(self, o: Tenant, t: Tenant) -> bool:
         """Whether tenant o may send a call soon enough to share a batch with t's: it has none in,
@@ -329,6 +352,7 @@ class LocalServer(LocalControl, LocalCalls):
         if release:
             t.areas.release_wait()
         t.box.mark_detached()
+        self._fold_lane(t.areas)
         self.areas.retire(t.areas, t.owner)
         self.wake.ring()
         log.info("tenant %d (%s, pid %d) detached: %s", t.id, t.name, t.pid, why)

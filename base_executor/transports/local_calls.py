@@ -14,7 +14,7 @@ from base_executor.graphs import CallGraphs
 from base_executor.scheduler import Call
 from base_executor.transports.areas import Tenant
 from proto import codec, mailbox
-from proto.cuda_ipc import reached, stream_write
+from proto.cuda_ipc import native_ops, reached, stream_write
 from proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
@@ -90,6 +90,74 @@ class LocalCalls:
             else:
                 areas.graphs = graphs
         return graphs
+
+    # ---- the native lane: repeats of a lone tenant's graphed calls, no Python per call ------
+
+    def _learn(self, t: Tenant, req: pb.CallRequest, call: Call, result: Result) -> None:
+        """After a call of t ran as a graph replay on its own stream (and was delivered): its lane
+        serves the calls with its request header from now on (proto._stream_ops.ServeLane)."""
+        areas = t.areas
+        graph = call.graphs.graph_of(call.graph_key) if call.graphs is not None else None
+        if graph is None or result.error is not None or call.graph_key in areas.lane_keys or self.tenants.get(t.id) is not t:
+            return
+        if areas.lane is None:
+            ops = native_ops()
+            if ops is None:
+                return
+            areas.lane = ops.ServeLane(
+                areas.box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.REPLY_RING_OFFSET, mailbox.RING_SLOTS,
+                mailbox.RING_SLOT_SIZE, mailbox.REPLY_BELL_OFFSET, areas.stream.cuda_stream, areas.words, areas.out_word,
+                self.core.device.index,
+            )
+            call.graphs.on_drop = lambda key: self._unlearn(areas, key)
+        header = pb.CallRequest()
+        header.CopyFrom(req)
+        header.ClearField("call_id")
+        header.ClearField("input_seq")  # (what stays is the header the tenant's Lane.send writes first)
+        header = header.SerializeToString()
+        reply = self._reply(result)
+        reply.ClearField("call_id")
+        areas.lane_keys[call.graph_key] = header
+        areas.lane.learn(header, int(graph.raw_cuda_graph_exec()), reply.SerializeToString(), len(areas.lane_units))
+        areas.lane_units.append((call.unit.id, call.tokens))
+
+    def _unlearn(self, areas, key) -> None:
+        header = areas.lane_keys.pop(key, None)
+        if header is not None:
+            areas.lane.forget(header)
+
+    def _serve_lane(self, t: Tenant) -> int:
+        """Serves the calls at the front of t's ring that its lane knows; how many."""
+        areas = t.areas
+        n = areas.lane.serve(mailbox.RING_SLOTS)
+        if n:
+            now = time.monotonic()
+            t.last_call = now
+            if areas.lane.was_idle or not areas.awaiting:
+                t.waiting_since = now  # (as _run_waiting: the stall clock starts with a wait on an idle stream)
+            areas.awaiting = areas.lane.awaiting
+        return n
+
+    def _fold_lane(self, areas) -> None:
+        """Adds what areas' lane served to the counters (caller holds the lock)."""
+        if areas.lane is None:
+            return
+        k = self.core.counters
+        for index, n in areas.lane.take_counts():
+            unit, tokens = areas.lane_units[index]
+            k.calls += n
+            k.batches += n
+            k.tokens += n * tokens
+            k.graph_replays += n
+            k.native_calls += n
+            k.per_unit[unit] += n
+            k.per_unit_batches[unit] += n
+            k.per_unit_tokens[unit] += n * tokens
+
+    def _fold_lanes(self) -> None:
+        with self.lock:
+            for t in self.tenants.values():
+                self._fold_lane(t.areas)
 
     def _check(self, t: Tenant, req: pb.CallRequest):
         """Validates a call's header against the served units and t's data area: (unit, input

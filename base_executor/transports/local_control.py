@@ -148,6 +148,7 @@ class LocalControl:
             )
         if data_bytes > t.areas.data_bytes:  # the outgrown areas go; calls still queued on them get no reply
             old, t.areas = t.areas, self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
+            self._fold_lane(old)
             self.areas.retire(old, t.owner)
             log.info("tenant %d mailbox grown to %d MiB", t.id, data_bytes >> 20)
         return pb.ControlReply(
@@ -166,6 +167,7 @@ class LocalControl:
         return live + self.areas.held_bytes()
 
     def _stats(self) -> pb.StatsReply:
+        self._fold_lanes()
         k = self.core.counters
         return pb.StatsReply(
             tenants=len(self.tenants),
@@ -177,6 +179,7 @@ class LocalControl:
             mailbox_bytes=self._mailbox_bytes(),
             graph_replays=k.graph_replays,
             graph_captures=k.graph_captures,
+            native_calls=k.native_calls,
             units=[
                 pb.UnitStats(unit=u, calls=k.per_unit[u], batches=k.per_unit_batches[u], tokens=k.per_unit_tokens[u])
                 for u in sorted(k.per_unit)
