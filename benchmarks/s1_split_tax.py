@@ -19,7 +19,8 @@ same repetitions: the tenant with whole-MLP calls off (one call per fused Linear
 `--compare-python-calls` one whose same-GPU calls make their steps from Python instead of in one
 native call (the code before proto._stream_ops.Lane); `--compare-eager-executor` one served by a
 second executor on the same GPU that replays no CUDA graphs (`--graph-tokens 0`, the code before
-base_executor/graphs.py).
+base_executor/graphs.py); `--compare-python-serve` one served by a second executor that serves
+every call from Python (`--no-native-serve`, the code before proto._stream_ops.ServeLane).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -79,6 +80,8 @@ def main() -> int:
                    help="also time the tenant with native calls off, side by side (key 'python calls')")
     p.add_argument("--compare-eager-executor", action="store_true",
                    help="also time a tenant of a second executor that runs every call eagerly (--graph-tokens 0)")
+    p.add_argument("--compare-python-serve", action="store_true",
+                   help="also time a tenant of a second executor that serves every call from Python (--no-native-serve)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -105,10 +108,12 @@ def main() -> int:
     log = open(out_dir / f"s1_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
     procs = [proc]
-    if a.compare_eager_executor:
-        eager_url = url + "-eager"
+    other_executor = ("eager executor", ["--graph-tokens", "0"]) if a.compare_eager_executor else \
+        ("python-serving executor", ["--no-native-serve"]) if a.compare_python_serve else None
+    if other_executor:
+        eager_url = url + "-other"
         eager_cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
-                     "--device", a.device, "--dtype", "bfloat16", *a.serve_args.split(), "--graph-tokens", "0"]
+                     "--device", a.device, "--dtype", "bfloat16", *a.serve_args.split(), *other_executor[1]]
         procs.append(subprocess.Popen(eager_cmd, cwd=REPO, stdout=log, stderr=log))
     try:
         base = build_builtin(a.model, torch.bfloat16)
@@ -126,11 +131,12 @@ def main() -> int:
             models["per-linear MLP"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse, whole_mlp=False)
         if a.compare_python_calls:  # conn.transport.native_calls is off while this one runs
             models["python calls"] = virtualize(copy.deepcopy(base), conn, fuse=not a.no_fuse)
-        if a.compare_eager_executor:
+        if other_executor:
+            name = other_executor[0]
             wait_for_executor(eager_url, 900, procs[1])
-            conns["eager executor"] = connect(eager_url)
-            conns["eager executor"].transport.return_early = not a.wait_replies
-            models["eager executor"] = virtualize(copy.deepcopy(base), conns["eager executor"], fuse=not a.no_fuse)
+            conns[name] = connect(eager_url)
+            conns[name].transport.return_early = not a.wait_replies
+            models[name] = virtualize(copy.deepcopy(base), conns[name], fuse=not a.no_fuse)
         results: dict[str, dict[str, float]] = {}
         paired: dict[str, dict[str, list[float]]] = {}  # scenario -> model -> per-repetition ratios, sorted
         calls_of: dict[str, dict[str, float]] = {k: {} for k in models if k != "unsplit"}  # model -> scenario -> calls
@@ -295,7 +301,8 @@ def main() -> int:
               f"{calls[k]:7.0f} {out['overhead_per_call_us'][k]:8.1f}  {spread(paired[k]['symbiont'])}")
     for other in [k for k in models if k not in ("unsplit", "symbiont")]:
         print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:",
-               "eager executor": "served by an executor without graphs:"}[other])
+               "eager executor": "served by an executor without graphs:",
+               "python-serving executor": "served by an executor without native lanes:"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "

@@ -283,11 +283,14 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
         torch.testing.assert_close(got["y"], want)
 
 
-def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
+@pytest.mark.parametrize("served_by", ["python", "native lane"])
+def test_call_taken_before_its_input_is_in_waits_on_the_gpu(served_by):
     """A lone same-GPU tenant's call whose input copy sits behind a long kernel is taken at once:
     the executor's GPU waits for the input on the tenant's own stream (the reply comes before
     the input is there), the result is still right, and another tenant arriving meanwhile is
-    served on the executor's stream at once."""
+    served at once. The call is the second of its kind (served from Python, which must not
+    capture a graph on the waiting stream), or one its tenant's native lane knows (a graph
+    replay queued behind the wait)."""
     import time
 
     from client import connect
@@ -296,9 +299,16 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
         slow, x = gpu_tenant_and_input(ex.url, unit)
-        # once: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy loading)
-        # synchronises the executor's GPU work, and so waits for a waiting stream (README)
-        slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+        # once at least: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy
+        # loading) synchronises the executor's GPU work, and so waits for a waiting stream (README)
+        for _ in range(1 if served_by == "python" else 40):
+            slow.transport.call(unit, pb.FORWARD, x, (3, 64), torch.float32, pb.INFERENCE)
+            slow.transport.confirm()
+            torch.cuda.synchronize()
+            if served_by == "python" or slow.stats().native_calls:
+                break
+        native_before = slow.stats().native_calls
+        assert (native_before > 0) == (served_by == "native lane"), native_before
         bystander = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
         ref = build_builtin("tiny-llama").cuda()
         probe = ids(1, 5).cuda()
@@ -313,6 +323,7 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu():
         slow.transport.confirm()  # (the call returned at once; its reply says the executor took it)
         replied_in = time.monotonic() - t0
         assert not torch.cuda.current_stream().query(), f"the sleep should still run (the reply took {replied_in:.2f} s)"
+        assert (slow.stats().native_calls > native_before) == (served_by == "native lane")
         with torch.no_grad(), torch.cuda.stream(side):
             t1 = time.monotonic()
             got = bystander(probe).logits

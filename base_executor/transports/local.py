@@ -286,7 +286,11 @@ class LocalServer(LocalControl, LocalCalls):
             self._reply_error(t, req.call_id, e)
             return True
         stream = areas.stream
-        log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
+        if not self._input_in(t, req):
+            # a graph captured (or first launched) on a stream that waits for a tenant's input
+            # held our host until the input was in (r66); its next call may capture it
+            call.may_capture = False
+            log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
         if not areas.waiting():
             t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
         stream_wait(stream.cuda_stream, areas.words, req.input_seq)
