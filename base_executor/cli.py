@@ -39,6 +39,10 @@ def _serve(args: argparse.Namespace) -> int:
         # a stream that waits for a tenant's input included: one stalled tenant would stall every
         # tenant. Load every kernel when CUDA starts instead (torch would choose lazy loading).
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        # Streams share the GPU's hardware work queues (8 by default): work queued behind a stream
+        # that waits for a tenant's input on a shared queue waits too (r66-r68: another tenant's
+        # call stalled 2 s). The most queues there are.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     sched = SchedulerConfig(

@@ -11,9 +11,7 @@ intermediates (an MLP unit's), the pool holding the largest of them. A graph use
 workspace of the stream it was captured on, so it is captured on the stream it is replayed on;
 the legacy default stream cannot be captured, so its graphs are captured on a side stream whose
 workspace nothing else uses. The eager ops stay the slow twin: a call is run eagerly the first
-time its key is seen, always beyond `max_tokens`, where capture fails, and while its stream
-waits for a tenant's input (Call.may_capture: capturing there held the host until the input
-was in); a later call of the key is captured.
+time its key is seen, always beyond `max_tokens`, and where capture fails.
 """
 from __future__ import annotations
 
@@ -80,7 +78,7 @@ class CallGraphs:
                 del self._entries[oldest]  # (a replay still queued keeps its graph alive on the GPU)
             e = self._entries[key] = _Entry()
         e.seen += 1
-        if e.seen >= CAPTURE_AT and call.may_capture and not e.failed and self._capturable(call):
+        if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):
             try:
                 e.graph = self._capture(call, exact)
             except Exception as ex:  # the eager ops serve it from now on

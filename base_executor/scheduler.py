@@ -51,7 +51,6 @@ class Call:
     out: torch.Tensor | None = None  # [tokens, d_out]: where a call run alone may write its result (no copy)
     graphs: object = None  # graphs.CallGraphs that may run it when alone (its out set), and its key there
     graph_key: object = None
-    may_capture: bool = True  # False: its stream waits for its input, where no graph may be captured
 
     @property
     def tokens(self) -> int:

@@ -286,10 +286,7 @@ class LocalServer(LocalControl, LocalCalls):
             self._reply_error(t, req.call_id, e)
             return True
         stream = areas.stream
-        if not self._input_in(t, req):
-            # a graph captured (or first launched) on a stream that waits for a tenant's input
-            # held our host until the input was in (r66); its next call may capture it
-            call.may_capture = False
+        if log.isEnabledFor(logging.DEBUG) and not self._input_in(t, req):
             log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
         if not areas.waiting():
             t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
