@@ -176,12 +176,14 @@ class ExecutorCore:
         return [Result(c, None, err) for c in calls]
 
     def _count(self, calls: list[Call]) -> None:
-        unit = calls[0].unit
-        n = sum(c.tokens for c in calls)
+        self.count(calls[0].unit.id, len(calls), 1, sum(c.tokens for c in calls))
+
+    def count(self, unit_id: str, calls: int, batches: int, tokens: int) -> None:
+        """Counts calls served of one unit (also those a transport served without the core)."""
         k = self.counters
-        k.calls += len(calls)
-        k.batches += 1
-        k.tokens += n
-        k.per_unit[unit.id] += len(calls)
-        k.per_unit_batches[unit.id] += 1
-        k.per_unit_tokens[unit.id] += n
+        k.calls += calls
+        k.batches += batches
+        k.tokens += tokens
+        k.per_unit[unit_id] += calls
+        k.per_unit_batches[unit_id] += batches
+        k.per_unit_tokens[unit_id] += tokens

@@ -145,14 +145,9 @@ class LocalCalls:
         k = self.core.counters
         for index, n in areas.lane.take_counts():
             unit, tokens = areas.lane_units[index]
-            k.calls += n
-            k.batches += n
-            k.tokens += n * tokens
+            self.core.count(unit, n, n, n * tokens)  # (each call its own batch)
             k.graph_replays += n
             k.native_calls += n
-            k.per_unit[unit] += n
-            k.per_unit_batches[unit] += n
-            k.per_unit_tokens[unit] += n * tokens
 
     def _fold_lanes(self) -> None:
         with self.lock:
