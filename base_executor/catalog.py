@@ -64,6 +64,7 @@ class Unit:
     rows: tuple[int, int] = (0, 0)  # a member unit: its rows [a, b) of the group's weight
     act: nn.Module | None = None  # an MLP unit: its activation; its members are (gate/up group, down)
     act_backward: collections.abc.Callable | None = None  # an MLP unit: act's backward op, (grad, x, out) -> out (None: autograd)
+    act_mul: collections.abc.Callable | None = None  # an MLP unit on a GPU: fused act(gate) * up, gate_up -> product (None: torch's ops)
 
     def info(self) -> pb.UnitInfo:
         return pb.UnitInfo(
@@ -188,7 +189,9 @@ class UnitTable:
     def get(self, unit_id: str) -> Unit | None:
         return self.units.get(unit_id)
 
-    def to(self, device: torch.device) -> "UnitTable":
+    def to(self, device: torch.device, fuse_act: bool = True) -> "UnitTable":
+        """Moves the unit weights to `device`; on a GPU, with `fuse_act`, gated MLP units get the
+        fused act(gate) * up where a probe finds it bitwise torch's (runner.act_mul_of)."""
         moved: dict[int, torch.Tensor] = {}
         for u in self.units.values():
             if u.group or u.kind == MLP:  # moved with its group, below; an MLP unit holds only units
@@ -199,6 +202,12 @@ class UnitTable:
         for u in self.units.values():
             if u.members and u.kind != MLP:
                 _point_members(u)
+        from base_executor import runner
+
+        for u in self.units.values():
+            if u.kind == MLP and fuse_act:
+                pair, down = u.members
+                u.act_mul = runner.act_mul_of(u.act, down.weight.dtype, torch.device(device), pair.out_features // 2)
         return self
 
     def is_unit_param(self, name: str) -> bool:

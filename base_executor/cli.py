@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
             log.warning("CUDA_MODULE_LOADING=%s: a kernel's first launch may wait for a tenant's stalled input copy, "
                         "stalling every tenant (unset it, or serve with --no-gpu-waits)", os.environ.get("CUDA_MODULE_LOADING"))
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
-    table.to(device)
+    table.to(device, fuse_act=not args.no_fused_act)
     core = ExecutorCore(table, dtype, device, sched)
     server = LocalServer(core, catalog, skeleton, server_config)
     log.info(
@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "where the spinning core is one the GEMMs need)")
     s.add_argument("--no-gpu-waits", action="store_true", help="same GPU: never take a call before its input copy "
                    "is done (by default a lone tenant's call is, its GEMM queued behind a GPU wait on its own stream)")
+    s.add_argument("--no-fused-act", action="store_true", help="GPU: gated MLP units compute silu(gate) * up with "
+                   "torch's two kernels instead of one fused kernel (bitwise the same; for comparisons)")
     s.add_argument("--graph-tokens", type=int, default=2048, help="same GPU: a call of at most this many tokens runs "
                    "as a CUDA graph once its unit, op, shape and mailbox offsets come again (one launch instead of one "
                    "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")

@@ -1,11 +1,15 @@
 """The GEMMs: one unit, one op, a flattened batch of token rows. Pure functions of tensors."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, Unit
 from proto import executor_pb2 as pb
+
+log = logging.getLogger("base_executor")
 
 
 def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,8 +59,15 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
     pair, down = unit.members
     width = pair.out_features // 2  # [tokens, 2 * intermediate]: gate's columns, then up's
     if op == pb.FORWARD:
-        gate, up = run(pair, pb.FORWARD, x, exact).split(width, dim=-1)
-        return run(down, pb.FORWARD, unit.act(gate) * up, exact, out)
+        gate_up = run(pair, pb.FORWARD, x, exact)  # [tokens, 2 * width]
+        fused = unit.act_mul is not None and (
+            x.shape[0] * width >= FUSE_MIN_ELEMENTS or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if fused:
+            a = unit.act_mul(gate_up)
+        else:
+            gate, up = gate_up.split(width, dim=-1)
+            a = unit.act(gate) * up
+        return run(down, pb.FORWARD, a, exact, out)
     if op == pb.BACKWARD:
         x, grad_y = x.split(unit.in_features, dim=-1)  # each [tokens, hidden]
         gate_up = run(pair, pb.FORWARD, x, exact)
@@ -78,6 +89,32 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
         up.copy_(grad_a)
         return run(pair, pb.BACKWARD, gate_up, out=out)
     raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")
+
+
+FUSE_MIN_ELEMENTS = 1 << 18
+"""An eager call fuses act(gate) * up from this many products on: below, the fused kernel's
+launch from Python costs more host time than its saved memory traffic is worth (a call
+captured in a CUDA graph always fuses: its launches cost nothing on replay)."""
+
+
+def act_mul_of(act, dtype: torch.dtype, device: torch.device, width: int):
+    """The fused act(gate) * up (gate_up -> product, kernels/act_mul.py) for an MLP whose gate
+    and up are `width` wide, when one is bitwise what torch's two ops give there; else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from base_executor.kernels.act_mul import act_mul_ref, silu_mul
+    except ImportError:  # (no Triton)
+        return None
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (6 * torch.randn(64, 2 * width, generator=gen)).to(dtype).to(device)
+    gate_up[0, :width] = torch.linspace(-90, 90, width)  # (exp's range ends, where silu saturates)
+    try:
+        same = torch.equal(silu_mul(gate_up), act_mul_ref(act, gate_up))
+    except Exception as e:  # (a Triton that cannot build it here): the two torch ops
+        log.warning("fused silu(gate) * up unavailable (%s: %s); MLP units use two torch ops", type(e).__name__, e)
+        return None
+    return silu_mul if same else None
 
 
 _ACT_BACKWARDS = (  # (grad, x, out) -> out: the backward ops of the activations gated MLPs use

@@ -18,22 +18,52 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def gpu_work(events) -> dict:
+def gpu_work(events, spans: bool = False) -> dict:
     """What a profiler's events say the GPU did: busy ms (the union of its kernels' and copies'
-    intervals), how many there were, and the 12 names with the most time."""
+    intervals), how many there were, and the 30 names with the most time; with `spans`, also
+    every interval as [start µs, end µs, name] (for gap_analysis)."""
     from torch.autograd import DeviceType
 
-    spans, by_name = [], collections.Counter()
+    found, by_name = [], collections.Counter()
     for e in events:
         if e.device_type == DeviceType.CUDA:
-            spans.append((e.time_range.start, e.time_range.end))
-            by_name[e.name] += e.time_range.elapsed_us()
+            found.append((e.time_range.start, e.time_range.end, e.name[:60]))
+            by_name[e.name[:80]] += e.time_range.elapsed_us()  # (cut before counting: names cut alike add up)
     busy, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
+    for start, end, _ in sorted(found):
         if end > reach:
             busy += end - max(start, reach)
             reach = end
-    return {"busy_ms": busy / 1e3, "launches": len(spans), "top_ms": {k[:80]: v / 1e3 for k, v in by_name.most_common(12)}}
+    work = {"busy_ms": busy / 1e3, "launches": len(found), "top_ms": {k: v / 1e3 for k, v in by_name.most_common(30)}}
+    if spans:
+        work["spans"] = sorted(found)
+    return work
+
+
+def gap_analysis(parts: dict[str, list]) -> dict:
+    """Where a GPU shared by several processes idled: `parts` maps who -> spans (gpu_work's).
+    Returns the union busy ms, and the idle gaps between consecutive work by (who ran last ->
+    who ran next): their count and ms, and the kernel pairs around the most idle time."""
+    merged = sorted((s, e, who, name) for who, spans in parts.items() for s, e, name in spans)
+    busy, reach, last = 0.0, None, None
+    by_turn, by_pair = collections.defaultdict(lambda: [0, 0.0]), collections.Counter()
+    for s, e, who, name in merged:
+        if reach is None or s >= reach:
+            if reach is not None and s > reach:
+                turn = f"{last[0]} -> {who}"
+                by_turn[turn][0] += 1
+                by_turn[turn][1] += (s - reach) / 1e3
+                by_pair[f"{turn}: {last[1][:40]} -> {name[:40]}"] += (s - reach) / 1e3
+            busy += e - s
+            reach, last = e, (who, name)
+        elif e > reach:
+            busy += e - reach
+            reach, last = e, (who, name)
+    return {
+        "union_busy_ms": busy / 1e3,
+        "gaps": {k: {"count": n, "ms": ms} for k, (n, ms) in sorted(by_turn.items(), key=lambda kv: -kv[1][1])},
+        "top_gap_pairs_ms": dict(by_pair.most_common(12)),
+    }
 
 
 def main() -> int:
@@ -55,7 +85,7 @@ def main() -> int:
         prof = state.pop("prof")
         prof.stop()
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(gpu_work(prof.events())))
+        tmp.write_text(json.dumps(gpu_work(prof.events(), spans=True)))
         tmp.rename(out)  # (whole, for the benchmark waiting for it)
 
     signal.signal(signal.SIGUSR1, start)

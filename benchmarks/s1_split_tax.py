@@ -20,7 +20,9 @@ same repetitions: the tenant with whole-MLP calls off (one call per fused Linear
 native call (the code before proto._stream_ops.Lane); `--compare-eager-executor` one served by a
 second executor on the same GPU that replays no CUDA graphs (`--graph-tokens 0`, the code before
 base_executor/graphs.py); `--compare-python-serve` one served by a second executor that serves
-every call from Python (`--no-native-serve`, the code before proto._stream_ops.ServeLane).
+every call from Python (`--no-native-serve`, the code before proto._stream_ops.ServeLane);
+`--compare-unfused-act` one whose MLP units run silu(gate) * up as torch's two kernels
+(`--no-fused-act`, the code before base_executor/kernels/act_mul.py).
 
 Prints a table last and writes s1_split_tax-MODEL.json to --out.
 """
@@ -82,6 +84,8 @@ def main() -> int:
                    help="also time a tenant of a second executor that runs every call eagerly (--graph-tokens 0)")
     p.add_argument("--compare-python-serve", action="store_true",
                    help="also time a tenant of a second executor that serves every call from Python (--no-native-serve)")
+    p.add_argument("--compare-unfused-act", action="store_true",
+                   help="also time a tenant of a second executor whose MLP units do not fuse silu(gate) * up (--no-fused-act)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -109,7 +113,8 @@ def main() -> int:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
     procs = [proc]
     other_executor = ("eager executor", ["--graph-tokens", "0"]) if a.compare_eager_executor else \
-        ("python-serving executor", ["--no-native-serve"]) if a.compare_python_serve else None
+        ("python-serving executor", ["--no-native-serve"]) if a.compare_python_serve else \
+        ("unfused-act executor", ["--no-fused-act"]) if a.compare_unfused_act else None
     if other_executor:
         eager_url = url + "-other"
         eager_cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
@@ -186,7 +191,7 @@ def main() -> int:
             """One run per model with both processes' GPU work recorded."""
             from torch.profiler import ProfilerActivity, profile as tprofile
 
-            from profiled_serve import gpu_work
+            from profiled_serve import gap_analysis, gpu_work
 
             rows = gpu_times[name] = {}
             for k, m in models.items():
@@ -195,16 +200,20 @@ def main() -> int:
                 conn.transport.native_calls = k != "python calls"
                 with tprofile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
                     wall = timed(lambda: run(m)) * 1e3
-                ex = executor_gpu(False) if k != "unsplit" else {"busy_ms": 0.0, "launches": 0, "top_ms": {}}
-                me = gpu_work(prof.events())
-                rows[k] = {"wall_ms": wall, "tenant": me, "executor": ex,
-                           "idle_ms": wall - me["busy_ms"] - ex["busy_ms"]}
+                ex = executor_gpu(False) if k != "unsplit" else {"busy_ms": 0.0, "launches": 0, "top_ms": {}, "spans": []}
+                me = gpu_work(prof.events(), spans=True)
+                gaps = gap_analysis({"tenant": me.pop("spans"), "executor": ex.pop("spans")})
+                rows[k] = {"wall_ms": wall, "tenant": me, "executor": ex, "gaps": gaps,
+                           "idle_ms": wall - gaps["union_busy_ms"]}
                 print(f"{name}, {k}: wall {wall:.2f} ms; GPU busy for the tenant {me['busy_ms']:.2f} ms "
                       f"({me['launches']} kernels and copies), for the executor {ex['busy_ms']:.2f} ms "
                       f"({ex['launches']}); neither {rows[k]['idle_ms']:.2f} ms", flush=True)
                 for who, w in (("tenant", me), ("executor", ex)):
                     for kernel, ms in list(w["top_ms"].items())[:6]:
                         print(f"    {who:8s} {ms:8.2f} ms  {kernel}", flush=True)
+                print(f"    both busy (union) {gaps['union_busy_ms']:.2f} ms; idle between work, by turn:", flush=True)
+                for turn, g in list(gaps["gaps"].items())[:4]:
+                    print(f"    {turn:22s} {g['count']:6d} gaps {g['ms']:8.2f} ms", flush=True)
 
         def scenario(name, run_one):
             if name not in a.scenarios.split(","):
@@ -302,7 +311,8 @@ def main() -> int:
     for other in [k for k in models if k not in ("unsplit", "symbiont")]:
         print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:",
                "eager executor": "served by an executor without graphs:",
-               "python-serving executor": "served by an executor without native lanes:"}[other])
+               "python-serving executor": "served by an executor without native lanes:",
+               "unfused-act executor": "served by an executor without the fused MLP activation:"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "
