@@ -220,8 +220,10 @@ def main() -> int:
                 return
             times = {k: [] for k in models}
             retries = {k: 0 for k in models}  # the tenant's allocator freeing its cache to retry a cudaMalloc (a sync)
+            names = list(models)
             for i in range(a.steps + 2):
-                for k, m in models.items():
+                for k in names[i % len(names):] + names[:i % len(names)]:  # (each repetition in another order:
+                    m = models[k]  # the model timed right after another pays or gains the same in turn)
                     c = conns.get(k, conn)
                     before = c.stats().calls if k != "unsplit" else 0
                     tried = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) if dev.type == "cuda" else 0
