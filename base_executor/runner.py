@@ -60,9 +60,7 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
     width = pair.out_features // 2  # [tokens, 2 * intermediate]: gate's columns, then up's
     if op == pb.FORWARD:
         gate_up = run(pair, pb.FORWARD, x, exact)  # [tokens, 2 * width]
-        fused = unit.act_mul is not None and (
-            x.shape[0] * width >= FUSE_MIN_ELEMENTS or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-        if fused:
+        if unit.act_mul is not None and x.shape[0] * width >= FUSE_MIN_ELEMENTS:
             a = unit.act_mul(gate_up)
         else:
             gate, up = gate_up.split(width, dim=-1)
@@ -92,9 +90,11 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
 
 
 FUSE_MIN_ELEMENTS = 1 << 18
-"""An eager call fuses act(gate) * up from this many products on: below, the fused kernel's
-launch from Python costs more host time than its saved memory traffic is worth (a call
-captured in a CUDA graph always fuses: its launches cost nothing on replay)."""
+"""A call fuses act(gate) * up from this many products on (32 tokens of `llama-8b`, 2048 ones
+saved 3.4 ms of a 2048-token prefill: benchmarks/RESULTS.md). Below, the fused kernel's launch
+from Python costs more host time than its saved memory traffic is worth, and `llama-1b` decode
+measured slower with it fused inside the graph replays (1.12-1.18 against 0.93-1.08 in three
+runs, within their noise but always that way round)."""
 
 
 def act_mul_of(act, dtype: torch.dtype, device: torch.device, width: int):

@@ -55,7 +55,7 @@ def test_mlp_units_on_a_gpu_fuse_silu_only(dtype):
         table = UnitTable(model).to(torch.device("cuda"))
         unit = table.get("model.layers.0.mlp")
         assert (unit.act_mul is not None) == fused
-        for tokens in (3, runner.FUSE_MIN_ELEMENTS // 64 + 1):  # (below and above the eager threshold)
+        for tokens in (3, runner.FUSE_MIN_ELEMENTS // 64 + 1):  # (below and above the threshold)
             x = torch.randn(tokens, 64, dtype=dtype, device="cuda")
             with torch.no_grad():
                 assert torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), block(x))
@@ -67,7 +67,7 @@ def test_mlp_units_off_a_gpu_use_torchs_ops():
 
 
 def test_mlp_forward_uses_the_fused_op_from_the_threshold_on():
-    """An eager call fuses from FUSE_MIN_ELEMENTS products on; below, torch's two ops run."""
+    """A call fuses from FUSE_MIN_ELEMENTS products on; below, torch's two ops run."""
     table = UnitTable(build_builtin("tiny-llama"))
     unit = table.get("model.layers.0.mlp")
     width = unit.members[0].out_features // 2
