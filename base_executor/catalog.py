@@ -204,10 +204,14 @@ class UnitTable:
                 _point_members(u)
         from base_executor import runner
 
+        probed: dict[tuple, object] = {}  # (one probe per activation, dtype and width)
         for u in self.units.values():
-            if u.kind == MLP and fuse_act:
+            if u.kind == MLP:
                 pair, down = u.members
-                u.act_mul = runner.act_mul_of(u.act, down.weight.dtype, torch.device(device), pair.out_features // 2)
+                key = (type(u.act), repr(u.act), down.weight.dtype, pair.out_features // 2)
+                if fuse_act and key not in probed:
+                    probed[key] = runner.act_mul_of(u.act, key[2], torch.device(device), key[3])
+                u.act_mul = probed[key] if fuse_act else None
         return self
 
     def is_unit_param(self, name: str) -> bool:

@@ -18,10 +18,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def gpu_work(events, spans: bool = False) -> dict:
+def trace_origin_us(prof) -> float:
+    """When a stopped torch.profiler `prof` started, in µs of the wall clock: its events' times
+    count from there, so two processes' events share a timeline only once it is added."""
+    return prof.profiler.kineto_results.trace_start_ns() / 1e3
+
+
+def gpu_work(events, spans: bool = False, origin_us: float = 0.0) -> dict:
     """What a profiler's events say the GPU did: busy ms (the union of its kernels' and copies'
     intervals), how many there were, and the 30 names with the most time; with `spans`, also
-    every interval as [start µs, end µs, name] (for gap_analysis)."""
+    every interval as [start µs, end µs, name] from `origin_us` (trace_origin_us: for
+    gap_analysis across processes)."""
     from torch.autograd import DeviceType
 
     found, by_name = [], collections.Counter()
@@ -36,7 +43,7 @@ def gpu_work(events, spans: bool = False) -> dict:
             reach = end
     work = {"busy_ms": busy / 1e3, "launches": len(found), "top_ms": {k: v / 1e3 for k, v in by_name.most_common(30)}}
     if spans:
-        work["spans"] = sorted(found)
+        work["spans"] = sorted((origin_us + a, origin_us + b, name) for a, b, name in found)
     return work
 
 
@@ -85,7 +92,7 @@ def main() -> int:
         prof = state.pop("prof")
         prof.stop()
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(gpu_work(prof.events(), spans=True)))
+        tmp.write_text(json.dumps(gpu_work(prof.events(), spans=True, origin_us=trace_origin_us(prof))))
         tmp.rename(out)  # (whole, for the benchmark waiting for it)
 
     signal.signal(signal.SIGUSR1, start)

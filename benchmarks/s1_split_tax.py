@@ -5,16 +5,18 @@
 
 Scenarios (BENCHMARKS.md): LoRA r=16 on q,v fine-tuning step at batch 2 x 512 tokens; greedy
 decode at batch 1 (prompt 128, 128 new tokens); prefill of 2048 tokens. Each repetition times
-the unsplit model and the tenant back to back; medians. The executor is a real
+the unsplit model and the tenant back to back, each repetition in another order; medians. The executor is a real
 `base-executor serve` process on the same GPU (start CUDA MPS first). Where the time goes: the
 executor's call counts give calls per step, and (symbiont - unsplit) / calls the cost per call;
-besides the ratio of the medians, each repetition's own ratio (its two models ran back to back)
+besides the ratio of the medians, each repetition's own ratio (its models ran one after another)
 is reported as median [quartiles], which drift between repetitions does not move;
 `--profile SECONDS` samples both processes with py-spy per scenario; `--torch-profile` runs each
 scenario once per model under torch.profiler; `--gpu-time` runs each scenario once per model with
 the GPU's work recorded in both processes (the executor through benchmarks/profiled_serve.py):
 the GPU's busy time for the tenant's kernels and for the executor's, and the rest of the wall
-time, when the GPU did neither (waiting for a host). `--compare-whole-mlp` times a third model in the
+time, when the GPU did neither (waiting for a host), with the idle gaps by whose work came before
+and after (both processes' kernels on one timeline; only models served by the first executor).
+`--compare-whole-mlp` times a third model in the
 same repetitions: the tenant with whole-MLP calls off (one call per fused Linear in the MLP);
 `--compare-python-calls` one whose same-GPU calls make their steps from Python instead of in one
 native call (the code before proto._stream_ops.Lane); `--compare-eager-executor` one served by a
@@ -191,17 +193,19 @@ def main() -> int:
             """One run per model with both processes' GPU work recorded."""
             from torch.profiler import ProfilerActivity, profile as tprofile
 
-            from profiled_serve import gap_analysis, gpu_work
+            from profiled_serve import gap_analysis, gpu_work, trace_origin_us
 
             rows = gpu_times[name] = {}
             for k, m in models.items():
+                if k in conns:  # (served by the second executor, whose GPU work is not recorded)
+                    continue
                 if k != "unsplit":
                     executor_gpu(True)
                 conn.transport.native_calls = k != "python calls"
                 with tprofile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
                     wall = timed(lambda: run(m)) * 1e3
                 ex = executor_gpu(False) if k != "unsplit" else {"busy_ms": 0.0, "launches": 0, "top_ms": {}, "spans": []}
-                me = gpu_work(prof.events(), spans=True)
+                me = gpu_work(prof.events(), spans=True, origin_us=trace_origin_us(prof))
                 gaps = gap_analysis({"tenant": me.pop("spans"), "executor": ex.pop("spans")})
                 rows[k] = {"wall_ms": wall, "tenant": me, "executor": ex, "gaps": gaps,
                            "idle_ms": wall - gaps["union_busy_ms"]}
@@ -236,7 +240,7 @@ def main() -> int:
                         if k != "unsplit":
                             calls_of[k][name] = c.stats().calls - before
             results[name] = {k: statistics.median(v) for k, v in times.items()}
-            # each repetition's ratio (the two ran back to back): drift between repetitions cancels
+            # each repetition's ratio (the models of one repetition ran one after another): drift between repetitions cancels
             paired[name] = {k: sorted(a / b for a, b in zip(v, times["unsplit"])) for k, v in times.items() if k != "unsplit"}
             alloc_retries[name] = retries
             if any(retries.values()):

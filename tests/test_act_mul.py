@@ -23,7 +23,10 @@ def test_silu_mul_is_bitwise_torchs_two_ops(dtype, width, tokens):
 
     gen = torch.Generator().manual_seed(width + tokens)
     gate_up = (8 * torch.randn(tokens, 2 * width, generator=gen)).to(dtype).cuda()
-    gate_up[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])  # (exp overflows; silu saturates)
+    tiny = torch.finfo(dtype).tiny
+    edge = torch.tensor([0.0, -0.0, 100.0, -100.0, tiny / 2, -tiny / 2, tiny, -tiny])  # (exp overflows; subnormals)
+    gate_up[0, :8] = edge.to(dtype)
+    gate_up[0, width:width + 8] = edge.flip(0).to(dtype)
     got = silu_mul(gate_up)
     assert got.shape == (tokens, width) and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, act_mul_ref(torch.nn.SiLU(), gate_up))
@@ -61,9 +64,17 @@ def test_mlp_units_on_a_gpu_fuse_silu_only(dtype):
                 assert torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), block(x))
 
 
-def test_mlp_units_off_a_gpu_use_torchs_ops():
-    table = UnitTable(build_builtin("tiny-llama")).to(torch.device("cpu"))
-    assert all(u.act_mul is None for u in table.units.values() if u.kind == "mlp")
+def test_mlp_units_moved_without_fusing_drop_the_fused_op():
+    """UnitTable.to(..., fuse_act=False) (`--no-fused-act`) leaves no MLP unit with a fused op, even
+    one set before; off a GPU none is set."""
+    table = UnitTable(build_builtin("tiny-llama"))
+    mlps = [u for u in table.units.values() if u.kind == "mlp"]
+    for u in mlps:
+        u.act_mul = runner.act_mul_of  # (anything not None)
+    table.to(torch.device("cpu"), fuse_act=False)
+    assert mlps and all(u.act_mul is None for u in mlps)
+    table.to(torch.device("cpu"))
+    assert all(u.act_mul is None for u in mlps)
 
 
 def test_mlp_forward_uses_the_fused_op_from_the_threshold_on():

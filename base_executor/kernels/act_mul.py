@@ -3,7 +3,7 @@
 torch runs it as two kernels (silu over the gate columns, then the product with the up
 columns): the gate values are read twice and the silu written and read back once in between.
 This kernel reads each input once and writes the product once, about 40% less memory traffic
-(`llama-8b` prefill: 58 MB per layer).
+(`llama-8b` prefill of 2048 tokens: 117 MB per layer).
 
 Bitwise the two torch ops: silu in float32 as torch computes it (x / (1 + exp(-x)), the
 correctly rounded division and libdevice's exp), rounded to the tensor's dtype, then the
@@ -48,8 +48,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, width), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
-        _silu_mul_kernel[(tokens, triton.cdiv(width, BLOCK))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                               BLOCK=BLOCK, num_warps=4)
+        with torch.cuda.device(gate_up.device):  # (Triton launches on the current device)
+            _silu_mul_kernel[(tokens, triton.cdiv(width, BLOCK))](gate_up, out, width, gate_up.stride(0), out.stride(0),
+                                                                   BLOCK=BLOCK, num_warps=4)
     return out
 
 
