@@ -91,11 +91,10 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
 
 FUSE_MIN_ELEMENTS = 1 << 18
 """A call fuses act(gate) * up from this many products on (19 tokens of `llama-8b`, 32 of
-`llama-1b`; 2048 tokens
-saved 3.4 ms of a 2048-token prefill: benchmarks/RESULTS.md). Below, the fused kernel's launch
-from Python costs more host time than its saved memory traffic is worth, and `llama-1b` decode
-measured slower with it fused inside the graph replays (1.12-1.18 against 0.93-1.08 in three
-runs, within their noise but always that way round)."""
+`llama-1b`; fused, a 2048-token `llama-8b` prefill took 2.7-4.4 ms less: benchmarks/RESULTS.md).
+Below, the fused kernel's launch from Python costs more host time than its saved memory traffic
+is worth, and `llama-1b` decode measured slower with it fused inside the graph replays
+(1.12-1.18 against 0.93-1.08 in three runs, within their noise but always that way round)."""
 
 
 def act_mul_of(act, dtype: torch.dtype, device: torch.device, width: int):
@@ -103,21 +102,18 @@ def act_mul_of(act, dtype: torch.dtype, device: torch.device, width: int):
     and up are `width` wide, when one is bitwise what torch's two ops give there; else None."""
     if device.type != "cuda":
         return None
-    try:
+    try:  # (no Triton, one that fails to import, or one that cannot build the kernel here: torch's ops)
         from base_executor.kernels.act_mul import act_mul_ref, silu_mul
-    except Exception as e:  # (no Triton, or one that fails to import)
-        log.warning("fused silu(gate) * up unavailable (%s: %s); MLP units use two torch ops", type(e).__name__, e)
-        return None
-    gen = torch.Generator().manual_seed(0)
-    gate_up = (6 * torch.randn(64, 2 * width, generator=gen)).to(dtype).to(device)
-    gate_up[0, :width] = torch.linspace(-90, 90, width)  # (exp's range ends, where silu saturates)
-    tiny = torch.finfo(dtype).tiny
-    edge = torch.tensor([0.0, -0.0, tiny / 2, -tiny / 2, tiny / 64, tiny, -tiny], dtype=dtype)  # (subnormals: no flush)
-    gate_up[1, :edge.numel()] = edge.to(device)
-    gate_up[1, width:width + edge.numel()] = edge.to(device)
-    try:
+
+        gen = torch.Generator().manual_seed(0)
+        gate_up = (6 * torch.randn(64, 2 * width, generator=gen)).to(dtype).to(device)
+        gate_up[0, :width] = torch.linspace(-90, 90, width)  # (exp's range ends, where silu saturates)
+        tiny = torch.finfo(dtype).tiny
+        edge = torch.tensor([0.0, -0.0, tiny / 2, -tiny / 2, tiny / 64, tiny, -tiny], dtype=dtype)  # (subnormals: no flush)
+        gate_up[1, :edge.numel()] = edge.to(device)
+        gate_up[1, width:width + edge.numel()] = edge.to(device)
         same = torch.equal(silu_mul(gate_up), act_mul_ref(act, gate_up))
-    except Exception as e:  # (a Triton that cannot build it here): the two torch ops
+    except Exception as e:
         log.warning("fused silu(gate) * up unavailable (%s: %s); MLP units use two torch ops", type(e).__name__, e)
         return None
     return silu_mul if same else None

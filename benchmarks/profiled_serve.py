@@ -36,12 +36,8 @@ def gpu_work(events, spans: bool = False, origin_us: float = 0.0) -> dict:
         if e.device_type == DeviceType.CUDA:
             found.append((e.time_range.start, e.time_range.end, e.name[:60]))
             by_name[e.name[:80]] += e.time_range.elapsed_us()  # (cut before counting: names cut alike add up)
-    busy, reach = 0.0, float("-inf")
-    for start, end, _ in sorted(found):
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    work = {"busy_ms": busy / 1e3, "launches": len(found), "top_ms": {k: v / 1e3 for k, v in by_name.most_common(30)}}
+    busy_ms = gap_analysis({"gpu": found})["union_busy_ms"]
+    work = {"busy_ms": busy_ms, "launches": len(found), "top_ms": {k: v / 1e3 for k, v in by_name.most_common(30)}}
     if spans:
         work["spans"] = sorted((origin_us + a, origin_us + b, name) for a, b, name in found)
     return work
