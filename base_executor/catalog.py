@@ -12,10 +12,10 @@ import json
 import torch
 from torch import nn
 
-from proto import executor_pb2 as pb
-from proto.codec import dtype_enum
-from proto.fingerprint import fingerprint
-from proto import gated_mlp
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.codec import dtype_enum
+from symbiont.proto.fingerprint import fingerprint
+from symbiont.proto import gated_mlp
 
 LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
 
@@ -159,7 +159,7 @@ class UnitTable:
         gate_up_proj) or two siblings that make a group, when a probe shows the unit's forward
         (runner.run) equal to the block's own. Its members: that unit (gate's columns, then
         up's) and down."""
-        from base_executor import runner
+        from symbiont.base_executor import runner
 
         *gate_up, down = (self.units.get(f"{path}.{n}") for n in layout.linears)
         if len(gate_up) == 2:
@@ -202,7 +202,7 @@ class UnitTable:
         for u in self.units.values():
             if u.members and u.kind != MLP:
                 _point_members(u)
-        from base_executor import runner
+        from symbiont.base_executor import runner
 
         probed: dict[tuple, object] = {}  # (one probe per activation, dtype and width)
         for u in self.units.values():

@@ -17,18 +17,18 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from base_executor import models  # noqa: E402
+from symbiont.base_executor import models  # noqa: E402
 
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from base_executor import catalog as cat
-    from base_executor.core import ExecutorCore
-    from base_executor.scheduler import SchedulerConfig
-    from base_executor.transports.local import LocalServer, LocalServerConfig
-    from proto import codec, urls
-    from proto import executor_pb2 as pb
+    from symbiont.base_executor import catalog as cat
+    from symbiont.base_executor.core import ExecutorCore
+    from symbiont.base_executor.scheduler import SchedulerConfig
+    from symbiont.base_executor.transports.local import LocalServer, LocalServerConfig
+    from symbiont.proto import codec, urls
+    from symbiont.proto import executor_pb2 as pb
 
     log = logging.getLogger("base_executor")
     scheme, name = urls.parse(args.listen)
@@ -70,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         units=[u.info() for u in table.units.values()],
     )
     if device.type == "cuda":
-        from proto.cuda_ipc import device_uuid
+        from symbiont.proto.cuda_ipc import device_uuid
 
         torch.cuda.set_device(device)
         catalog.device_uuid = device_uuid(device)
@@ -133,7 +133,7 @@ def _models(_args: argparse.Namespace) -> int:
 
 
 def _tune_atmm(argv: list[str]) -> int:
-    from base_executor.kernels import tune_atmm
+    from symbiont.base_executor.kernels import tune_atmm
 
     return tune_atmm.main(argv)
 

@@ -9,11 +9,11 @@ import math
 
 import torch
 
-from base_executor import runner
-from base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
-from base_executor.scheduler import Call, Scheduler, SchedulerConfig
-from proto import executor_pb2 as pb
-from proto.codec import NAME_OF, TORCH_OF
+from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
+from symbiont.base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.codec import NAME_OF, TORCH_OF
 
 log = logging.getLogger("base_executor")
 

@@ -19,10 +19,10 @@ import logging
 
 import torch
 
-from base_executor import runner
-from base_executor.catalog import CONV1D, LINEAR, MLP
-from base_executor.scheduler import Call
-from proto import executor_pb2 as pb
+from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import CONV1D, LINEAR, MLP
+from symbiont.base_executor.scheduler import Call
+from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 

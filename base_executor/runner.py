@@ -6,8 +6,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, Unit
-from proto import executor_pb2 as pb
+from symbiont.base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, Unit
+from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 
@@ -103,7 +103,7 @@ def act_mul_of(act, dtype: torch.dtype, device: torch.device, width: int):
     if device.type != "cuda":
         return None
     try:  # (no Triton, one that fails to import, or one that cannot build the kernel here: torch's ops)
-        from base_executor.kernels.act_mul import act_mul_ref, silu_mul
+        from symbiont.base_executor.kernels.act_mul import act_mul_ref, silu_mul
 
         gen = torch.Generator().manual_seed(0)
         gate_up = (6 * torch.randn(64, 2 * width, generator=gen)).to(dtype).to(device)

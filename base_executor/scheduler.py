@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from proto import executor_pb2 as pb
+from symbiont.proto import executor_pb2 as pb
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 
 def start_executor(model: str, url: str, omp_policy: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": omp_policy}
-    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url]
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from client import wait_for_executor
+    from symbiont import wait_for_executor
 
     wait_for_executor(url, 300, proc)
     return proc
@@ -66,8 +66,8 @@ def time_model(model, x: torch.Tensor, steps: int) -> dict:
 
 
 def main() -> int:
-    from base_executor.models import default_model, load_model
-    from client import virtualize
+    from symbiont.base_executor.models import default_model, load_model
+    from symbiont import virtualize
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_model())

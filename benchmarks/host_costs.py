@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from proto.cuda_ipc import DeviceRegion  # noqa: E402
+from symbiont.proto.cuda_ipc import DeviceRegion  # noqa: E402
 
 
 def host_us(f, reps=40, n=50) -> float:

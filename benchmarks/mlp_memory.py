@@ -47,10 +47,10 @@ def kept_mib(block, x: torch.Tensor) -> float:
 def main() -> int:
     from transformers import AutoModelForCausalLM
 
-    from base_executor import runner
-    from base_executor.catalog import UnitTable
-    from base_executor.models import BUILTINS
-    from proto import executor_pb2 as pb
+    from symbiont.base_executor import runner
+    from symbiont.base_executor.catalog import UnitTable
+    from symbiont.base_executor.models import BUILTINS
+    from symbiont.proto import executor_pb2 as pb
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b"])

@@ -8,7 +8,7 @@ or nothing (none). Each variant runs in a fresh process.
 import ctypes, subprocess, sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 import torch
-from proto import cuda_ipc as ci
+from symbiont.proto import cuda_ipc as ci
 
 N = 16 << 20
 if sys.argv[1:2] == ["export"]:

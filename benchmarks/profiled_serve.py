@@ -73,7 +73,7 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from base_executor import cli
+    from symbiont.base_executor import cli
 
     out = pathlib.Path(sys.argv[1])
     state = {}

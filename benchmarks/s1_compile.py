@@ -37,8 +37,8 @@ MODES = {"eager": None, "compiled": "reduce-overhead", "compiled, no CUDA graphs
 def main() -> int:
     from transformers import CompileConfig
 
-    from base_executor.models import build_builtin
-    from client import connect, virtualize, wait_for_executor
+    from symbiont.base_executor.models import build_builtin
+    from symbiont import connect, virtualize, wait_for_executor
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-1b")
@@ -53,7 +53,7 @@ def main() -> int:
     # one forward, compiled for several model objects and two shapes (prompt, one token)
     torch._dynamo.config.cache_size_limit = 64
     url = f"local://s1c-{os.getpid()}"
-    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", url, "--device", str(dev),
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", a.model, "--listen", url, "--device", str(dev),
            "--dtype", "bfloat16"]
     log = open(out_dir / f"s1_compile_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)

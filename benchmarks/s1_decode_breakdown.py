@@ -86,8 +86,8 @@ def decode(model, prompt: torch.Tensor, tokens: int, clock: CallClock) -> list[d
 
 
 def main() -> int:
-    from base_executor.models import build_builtin
-    from client import connect, virtualize, wait_for_executor
+    from symbiont.base_executor.models import build_builtin
+    from symbiont import connect, virtualize, wait_for_executor
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-1b")
@@ -99,7 +99,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     url = f"local://s1d-{os.getpid()}"
     log = open(out_dir / f"s1_decode_breakdown_executor-{a.model}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", url,
+    proc = subprocess.Popen([sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", a.model, "--listen", url,
                              "--device", "cuda:0", "--dtype", "bfloat16"], cwd=REPO, stdout=log, stderr=log)
     try:
         base = build_builtin(a.model, torch.bfloat16)

@@ -70,8 +70,8 @@ def lora(model):
 
 
 def main() -> int:
-    from base_executor.models import build_builtin
-    from client import connect, virtualize, wait_for_executor
+    from symbiont.base_executor.models import build_builtin
+    from symbiont import connect, virtualize, wait_for_executor
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-1b")
@@ -108,7 +108,7 @@ def main() -> int:
     gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     url = f"local://s1-{os.getpid()}"
     ex_gpu = out_dir / f"s1_gpu_time_executor-{a.model}.json"  # (--gpu-time) the executor's GPU work
-    launch = [str(REPO / "benchmarks" / "profiled_serve.py"), str(ex_gpu)] if a.gpu_time else ["-m", "base_executor.cli"]
+    launch = [str(REPO / "benchmarks" / "profiled_serve.py"), str(ex_gpu)] if a.gpu_time else ["-m", "symbiont.base_executor.cli"]
     cmd = [sys.executable, *launch, "serve", "--model", a.model, "--listen", url, "--device", a.device,
            "--dtype", "bfloat16", *a.serve_args.split()]
     log = open(out_dir / f"s1_executor-{a.model}.log", "w")
@@ -119,7 +119,7 @@ def main() -> int:
         ("unfused-act executor", ["--no-fused-act"]) if a.compare_unfused_act else None
     if other_executor:
         eager_url = url + "-other"
-        eager_cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
+        eager_cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
                      "--device", a.device, "--dtype", "bfloat16", *a.serve_args.split(), *other_executor[1]]
         procs.append(subprocess.Popen(eager_cmd, cwd=REPO, stdout=log, stderr=log))
     try:

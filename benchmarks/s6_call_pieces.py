@@ -42,11 +42,11 @@ def host_us(fn, n: int) -> float:
 
 
 def main() -> int:
-    from client import connect, virtualize
-    from proto import codec
-    from proto import executor_pb2 as pb
-    import proto.cuda_ipc as cuda_ipc
-    from proto.cuda_ipc import copy_async, map_host_words, stream_wait, stream_write
+    from symbiont import connect, virtualize
+    from symbiont.proto import codec
+    from symbiont.proto import executor_pb2 as pb
+    import symbiont.proto.cuda_ipc as cuda_ipc
+    from symbiont.proto.cuda_ipc import copy_async, map_host_words, stream_wait, stream_write
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)

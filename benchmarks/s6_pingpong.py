@@ -42,9 +42,9 @@ def _wait(bell, seen: int) -> int:
 
 
 def _executor(conn, tokens: int, iters: int) -> None:
-    from proto import mailbox
-    from proto._doorbell import Doorbell
-    from proto.cuda_ipc import DeviceRegion
+    from symbiont.proto import mailbox
+    from symbiont.proto._doorbell import Doorbell
+    from symbiont.proto.cuda_ipc import DeviceRegion
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
@@ -78,9 +78,9 @@ def _executor(conn, tokens: int, iters: int) -> None:
 
 
 def _tenant(conn, tokens: int, iters: int) -> dict[str, float]:
-    from proto import mailbox
-    from proto._doorbell import Doorbell
-    from proto.cuda_ipc import OpenedRegion
+    from symbiont.proto import mailbox
+    from symbiont.proto._doorbell import Doorbell
+    from symbiont.proto.cuda_ipc import OpenedRegion
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)

@@ -43,8 +43,8 @@ def host_us(fn, n: int = 3000) -> float:
 
 
 def op_costs(tokens: int) -> dict[str, float]:
-    from proto import executor_pb2 as pb
-    from proto.cuda_ipc import DeviceRegion
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.cuda_ipc import DeviceRegion
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
@@ -80,11 +80,11 @@ def op_costs(tokens: int) -> dict[str, float]:
 
 def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib.Path) -> tuple[float, str, str]:
     """Times calls, then samples both processes with py-spy while calls keep running."""
-    from client import connect, wait_for_executor
-    from proto import executor_pb2 as pb
+    from symbiont import connect, wait_for_executor
+    from symbiont.proto import executor_pb2 as pb
 
     url = f"local://s6prof-{os.getpid()}"
-    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model_dir, "--listen", url, "--device", "cuda:0",
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model_dir, "--listen", url, "--device", "cuda:0",
            "--dtype", "bfloat16", "--max-wait-us", "0", "--inference-wait-us", "0"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

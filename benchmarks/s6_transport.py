@@ -48,9 +48,9 @@ def make_model(path: str) -> None:
 
 
 def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None, extra=()) -> subprocess.Popen:
-    from client import wait_for_executor
+    from symbiont import wait_for_executor
 
-    cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url, "--device", device,
            "--dtype", dtype, "--max-wait-us", "0", "--inference-wait-us", "0"] + (["--spin-us", str(spin_us)] if spin_us is not None else []) + list(extra)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_executor(url, 120, proc)
@@ -71,8 +71,8 @@ def median_us(fn, sync, n: int = 200, warmup: int = 20) -> float:
 
 
 def main() -> int:
-    from client import connect
-    from proto import executor_pb2 as pb
+    from symbiont import connect
+    from symbiont.proto import executor_pb2 as pb
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--label", default="")

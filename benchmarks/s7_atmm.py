@@ -26,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from base_executor.kernels import triton_launch  # noqa: E402
-from base_executor.kernels.atmm import atmm, plan_segments  # noqa: E402
-from base_executor.kernels.atmm_ref import (  # noqa: E402
+from symbiont.base_executor.kernels import triton_launch  # noqa: E402
+from symbiont.base_executor.kernels.atmm import atmm, plan_segments  # noqa: E402
+from symbiont.base_executor.kernels.atmm_ref import (  # noqa: E402
     atmm_loop, atmm_padded_bmm, prepare_loop, prepare_padded)
-from base_executor.kernels.lora_merge import merge_lora_, plan_merge, unmerge_lora_  # noqa: E402
-from base_executor.kernels.tiling import TileConfig, TilingTable, gpu_name  # noqa: E402
-from base_executor.kernels.timing import interleaved_us, paired_ratio, quantile, time_us  # noqa: E402
-from base_executor.kernels.tune_atmm import MODELS, synthetic_batch  # noqa: E402
+from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge, unmerge_lora_  # noqa: E402
+from symbiont.base_executor.kernels.tiling import TileConfig, TilingTable, gpu_name  # noqa: E402
+from symbiont.base_executor.kernels.timing import interleaved_us, paired_ratio, quantile, time_us  # noqa: E402
+from symbiont.base_executor.kernels.tune_atmm import MODELS, synthetic_batch  # noqa: E402
 
 HIDDEN = 4096
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
@@ -120,7 +120,7 @@ def bench_atmm(table: TilingTable, log) -> list[dict]:
 def miss_probe(row: dict) -> dict:
     """Where ATMM missed 2x: the weight bytes each side streams, GPU times (graph replay) of
     ATMM and of each of its kernels, and a device-to-device copy of as many bytes."""
-    from base_executor.kernels.atmm_split import SplitLaunch
+    from symbiont.base_executor.kernels.atmm_split import SplitLaunch
     x, y, pool, plan, seg_lens, seg_slots = synthetic_batch(row["tokens"], row["adapters"], RANK_MIXES[row["ranks"]],
                                                             HIDDEN, HIDDEN, torch.bfloat16)
     pb = prepare_padded(pool, seg_lens, seg_slots)

@@ -1,6 +1,6 @@
 """symbiont's tenant library: split a Hugging Face model so its frozen layers run in a base executor."""
-from client.connection import Connection, connect, wait_for_executor
-from client.errors import (
+from symbiont.client.connection import Connection, connect, wait_for_executor
+from symbiont.client.errors import (
     DTypeMismatchError,
     ExecutorUnavailableError,
     InternalError,
@@ -13,8 +13,8 @@ from client.errors import (
     SymbiontError,
     UnknownUnitError,
 )
-from client.shim import RemoteWeight, VirtLayer
-from client.virtualize import virtualize
+from symbiont.client.shim import RemoteWeight, VirtLayer
+from symbiont.client.virtualize import virtualize
 
 __all__ = [
     "Connection", "connect", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",

@@ -11,9 +11,9 @@ import time
 import torch
 from torch import nn
 
-from client.transport import Transport, open_transport
-from proto import codec
-from proto import executor_pb2 as pb
+from symbiont.client.transport import Transport, open_transport
+from symbiont.proto import codec
+from symbiont.proto import executor_pb2 as pb
 
 
 class Connection:
@@ -65,7 +65,7 @@ class Connection:
         from safetensors.torch import load
         from transformers import AutoModelForCausalLM
 
-        from client.virtualize import virtualize
+        from symbiont.client.virtualize import virtualize
 
         config = self.config()
         if attn_implementation:
@@ -107,7 +107,7 @@ class Connection:
 def wait_for_executor(url: str, timeout_s: float = 300.0, process=None) -> pb.HealthReply:
     """Waits until an executor answers at `url` and returns its health. `process` (a Popen of
     the executor, when the caller started it) makes a crash fail fast instead of timing out."""
-    from client.errors import ExecutorUnavailableError
+    from symbiont.client.errors import ExecutorUnavailableError
 
     deadline = time.monotonic() + timeout_s
     while True:

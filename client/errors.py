@@ -1,7 +1,7 @@
 """The exceptions a tenant sees. Each remote Status code maps to one class; the remote message is kept."""
 from __future__ import annotations
 
-from proto import executor_pb2 as pb
+from symbiont.proto import executor_pb2 as pb
 
 
 class SymbiontError(RuntimeError):

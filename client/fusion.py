@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records, tracing, unit_call
-from proto import executor_pb2 as pb
+from symbiont.client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records, tracing, unit_call
+from symbiont.proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
 """A group stops fusing after this many group calls in a row left some member's output unused."""

@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import nn
 
-from proto import executor_pb2 as pb
+from symbiont.proto import executor_pb2 as pb
 
 
 class RemoteWeight(torch.Tensor):

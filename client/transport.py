@@ -14,9 +14,9 @@ import threading
 
 import torch
 
-from client.errors import ExecutorUnavailableError, InvalidCallError, NotAttachedError, raise_for_status
-from proto import codec, urls
-from proto import executor_pb2 as pb
+from symbiont.client.errors import ExecutorUnavailableError, InvalidCallError, NotAttachedError, raise_for_status
+from symbiont.proto import codec, urls
+from symbiont.proto import executor_pb2 as pb
 
 
 class Transport(abc.ABC):
@@ -77,7 +77,7 @@ class Transport(abc.ABC):
             self.device = torch.device("cuda", torch.cuda.current_device())
         uuid = ""
         if self.device.type == "cuda":
-            from proto.cuda_ipc import mappable_device
+            from symbiont.proto.cuda_ipc import mappable_device
 
             served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
             self.area_device = mappable_device(served_on, self.device)
@@ -147,7 +147,7 @@ class Transport(abc.ABC):
 def open_transport(url: str) -> Transport:
     scheme, name = urls.parse(url)
     if scheme == "local":
-        from client.transports.local import LocalTransport
+        from symbiont.client.transports.local import LocalTransport
 
         return LocalTransport(url, name)
     raise ValueError(f"no transport for {url!r}")

@@ -14,12 +14,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from client.errors import ModelMismatchError
-from client.fusion import fuse_siblings
-from client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
-from client.whole_mlp import serve_whole_mlps
-from proto import codec
-from proto.fingerprint import fingerprint
+from symbiont.client.errors import ModelMismatchError
+from symbiont.client.fusion import fuse_siblings
+from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
+from symbiont.client.whole_mlp import serve_whole_mlps
+from symbiont.proto import codec
+from symbiont.proto.fingerprint import fingerprint
 
 
 def _conv1d_type():
@@ -111,7 +111,7 @@ def virtualize(
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
     config field or unit that differs from the served model (the model is then unchanged).
     """
-    from client.connection import Connection, connect
+    from symbiont.client.connection import Connection, connect
 
     conn = executor if isinstance(executor, Connection) else connect(executor)
     catalog = conn.catalog()

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing, unit_call
-from proto import executor_pb2 as pb
-from proto import gated_mlp
+from symbiont.client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing, unit_call
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import gated_mlp
 
 
 class MlpUnit(UnitRef):

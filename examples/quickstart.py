@@ -32,7 +32,7 @@ def finetune(url: str, steps: int) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from client import connect
+    from symbiont import connect
 
     conn = connect(url, name="quickstart-finetune")
     model = conn.model()
@@ -70,7 +70,7 @@ def finetune(url: str, steps: int) -> None:
 def generate(url: str) -> None:
     import torch
 
-    from client import connect
+    from symbiont import connect
 
     conn = connect(url, name="quickstart-generate")
     model = conn.model()
@@ -118,14 +118,14 @@ def main() -> int:
     url = a.executor
     if url is None:
         url = f"local://quickstart-{os.getpid()}"
-        cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--listen", url]
+        cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--listen", url]
         if a.model:
             cmd += ["--model", a.model]
         print(f"[quickstart] starting: {' '.join(cmd[2:])}", flush=True)
         executor = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=_relay, args=(executor, "executor"), daemon=True).start()
     try:
-        from client import wait_for_executor
+        from symbiont import wait_for_executor
 
         health = wait_for_executor(url, 600, executor)
         print(f"[quickstart] executor ready: model {health.model}", flush=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from proto import executor_pb2 as pb
+from symbiont.proto import executor_pb2 as pb
 
 TORCH_OF = {
     pb.FLOAT32: torch.float32,

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from proto import codec
+from symbiont.proto import codec
 
 _IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -192,7 +192,7 @@ def _copy_async_ctypes(dst: int, src: int, nbytes: int, stream: int, device: tor
 
 def _load_native():
     try:
-        from proto import _stream_ops
+        from symbiont.proto import _stream_ops
     except ImportError:
         return None
     return _stream_ops if _stream_ops.available() else None

@@ -29,8 +29,8 @@ import weakref
 
 import torch
 
-from proto import codec
-from proto._doorbell import Doorbell, Ring
+from symbiont.proto import codec
+from symbiont.proto._doorbell import Doorbell, Ring
 
 RING_SLOTS = 64
 RING_SLOT_SIZE = 512
@@ -118,7 +118,7 @@ class Mailbox:
         """Maps WORDS_PAGE for `device`'s streams (proto.cuda_ipc); returns the device addresses of
         the input word and the output word. Undo with unmap_words; a mailbox dropped without it
         undoes it as it goes (else a later map at the same address would find it still mapped)."""
-        from proto.cuda_ipc import map_host_words, unpin_host_quietly
+        from symbiont.proto.cuda_ipc import map_host_words, unpin_host_quietly
 
         address = self.words_address()
         page = map_host_words(device, address, WORDS_PAGE[1])
@@ -127,7 +127,7 @@ class Mailbox:
         return page + INPUT_WORD_IN_PAGE, page + OUTPUT_WORD_IN_PAGE
 
     def unmap_words(self, device) -> None:
-        from proto.cuda_ipc import unpin_host
+        from symbiont.proto.cuda_ipc import unpin_host
 
         if self._words_mapped is not None:
             self._words_mapped.detach()

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from client import wait_for_executor
+from symbiont import wait_for_executor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()
@@ -25,7 +25,7 @@ class Executor:
         self.url = f"local://test-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:6]}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), self.url.split("//")[1] + ".log")
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "base_executor.cli", "serve", "--model", model, "--listen", self.url, *flags]
+        cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", self.url, *flags]
         if os.environ.get("SYMBIONT_TEST_LOG_LEVEL"):  # (say DEBUG, to read what an executor did: log_path)
             cmd += ["--log-level", os.environ["SYMBIONT_TEST_LOG_LEVEL"]]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)

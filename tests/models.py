@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from base_executor.models import build_builtin
+from symbiont.base_executor.models import build_builtin
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2", "tiny-phi3"]
 LORA_TARGETS = {

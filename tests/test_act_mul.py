@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from base_executor import runner
-from base_executor.catalog import UnitTable
-from base_executor.models import build_builtin
-from proto import executor_pb2 as pb
+from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import UnitTable
+from symbiont.base_executor.models import build_builtin
+from symbiont.proto import executor_pb2 as pb
 
 gpu = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("width", [64, 1000, 8192, 14336])
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_silu_mul_is_bitwise_torchs_two_ops(dtype, width, tokens):
-    from base_executor.kernels.act_mul import act_mul_ref, silu_mul
+    from symbiont.base_executor.kernels.act_mul import act_mul_ref, silu_mul
 
     gen = torch.Generator().manual_seed(width + tokens)
     gate_up = (8 * torch.randn(tokens, 2 * width, generator=gen)).to(dtype).cuda()
@@ -37,7 +37,7 @@ def test_silu_mul_is_bitwise_torchs_two_ops(dtype, width, tokens):
 
 @gpu
 def test_silu_mul_refuses_what_it_cannot_run():
-    from base_executor.kernels.act_mul import silu_mul
+    from symbiont.base_executor.kernels.act_mul import silu_mul
 
     with pytest.raises(ValueError, match="2 \\* width"):
         silu_mul(torch.zeros(3, 5, device="cuda"))

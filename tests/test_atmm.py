@@ -16,15 +16,15 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
-from base_executor.kernels import tiling  # noqa: E402
-from base_executor.kernels.atmm import atmm, pack_lora_pool, plan_segments  # noqa: E402
-from base_executor.kernels.atmm_ref import (  # noqa: E402
+from symbiont.base_executor.kernels import tiling  # noqa: E402
+from symbiont.base_executor.kernels.atmm import atmm, pack_lora_pool, plan_segments  # noqa: E402
+from symbiont.base_executor.kernels.atmm_ref import (  # noqa: E402
     atmm_loop, atmm_padded_bmm, atmm_ref, delora_ref, merge_ref, pool_adapter, prepare_loop, prepare_padded)
-from base_executor.kernels.lora_merge import (  # noqa: E402
+from symbiont.base_executor.kernels.lora_merge import (  # noqa: E402
     delora_, merge_lora_, plan_delora, plan_merge, unmerge_lora_)
-from base_executor.kernels.tiling import ShapeClass, TileConfig, TilingTable  # noqa: E402
-from base_executor.kernels.timing import interleaved_us, paired_ratio, quantile  # noqa: E402
-from base_executor.kernels.tune_atmm import choose_tiling, main as tune_main, model_shapes, rank_mixes  # noqa: E402
+from symbiont.base_executor.kernels.tiling import ShapeClass, TileConfig, TilingTable  # noqa: E402
+from symbiont.base_executor.kernels.timing import interleaved_us, paired_ratio, quantile  # noqa: E402
+from symbiont.base_executor.kernels.tune_atmm import choose_tiling, main as tune_main, model_shapes, rank_mixes  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float16]
@@ -388,7 +388,7 @@ def test_gpu_atmm_model_shapes_all_candidates(tokens, adapters):
 @needs_cuda
 def test_gpu_fast_launch_reuses_only_matching_specialisation():
     """Repeat launches skip Triton's binder; a misaligned output slice gets its own kernel."""
-    from base_executor.kernels import atmm_fused, triton_launch
+    from symbiont.base_executor.kernels import atmm_fused, triton_launch
     dtype, ranks = torch.bfloat16, [16, 128, 8]
     pool = make_pool(ranks, 256, 192, dtype)
     seg_lens, seg_slots = [5, 9, 2], [0, 1, 2]

@@ -7,13 +7,13 @@ import threading
 
 import torch
 
-from base_executor.models import build_builtin
-from client import connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont import connect, virtualize
 from tests.conftest import REPO, running_executor
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "base_executor.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "symbiont.base_executor.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def test_models_lists_builtins():

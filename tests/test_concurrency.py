@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from client import connect
+from symbiont import connect
 from tests.conftest import REPO, running_executor
 
 TENANTS = 8

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from proto import mailbox
-from proto._doorbell import Doorbell, Ring
+from symbiont.proto import mailbox
+from symbiont.proto._doorbell import Doorbell, Ring
 
 
 def region(size=1 << 16):
@@ -109,8 +109,8 @@ def test_split_request_finds_the_header_a_native_call_writes():
     other shape is not split (Python serves it)."""
     import random
 
-    from proto import executor_pb2 as pb
-    from proto._stream_ops import split_request
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto._stream_ops import split_request
 
     header = pb.CallRequest(unit="model.layers.0.mlp", op=pb.FORWARD, dtype=pb.BFLOAT16, shape=[2, 7, 64], out_offset=2048,
                             latency=pb.INFERENCE).SerializeToString()

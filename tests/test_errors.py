@@ -27,8 +27,8 @@ import pytest
 import torch
 import zmq
 
-from base_executor.models import BUILTINS, build_builtin
-from client import (
+from symbiont.base_executor.models import BUILTINS, build_builtin
+from symbiont import (
     DTypeMismatchError,
     ExecutorUnavailableError,
     InvalidCallError,
@@ -43,9 +43,9 @@ from client import (
     connect,
     virtualize,
 )
-from client.errors import raise_for_status
-from proto import codec, mailbox, urls
-from proto import executor_pb2 as pb
+from symbiont.client.errors import raise_for_status
+from symbiont.proto import codec, mailbox, urls
+from symbiont.proto import executor_pb2 as pb
 from tests.conftest import REPO, Executor, running_executor
 
 MODEL = "tiny-llama"

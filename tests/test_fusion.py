@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from base_executor import runner
-from base_executor.catalog import UnitTable
-from base_executor.models import build_builtin
-from client import connect
-from client import virtualize as _virtualize
-from client.fusion import WASTE_LIMIT, FusionScope
-from proto import executor_pb2 as pb
+from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import UnitTable
+from symbiont.base_executor.models import build_builtin
+from symbiont import connect
+from symbiont import virtualize as _virtualize
+from symbiont.client.fusion import WASTE_LIMIT, FusionScope
+from symbiont.proto import executor_pb2 as pb
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads
 
 LAYERS = 2  # of every tiny model

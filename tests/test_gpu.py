@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from base_executor.models import build_builtin
-from client import virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont import virtualize
 from tests.conftest import running_executor
 from tests.jobs import gpu_tenant_and_input
 from tests.models import ARCHS, assert_grads_close, ids, lora_grads, lora_model
@@ -67,7 +67,7 @@ def test_same_gpu_calls_that_wait_for_their_replies():
     """The same GPU with each call waiting for its reply (return_early off): same results."""
     torch.backends.cuda.matmul.allow_tf32 = False
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
-        from client import connect
+        from symbiont import connect
 
         conn = connect(ex.url)
         conn.transport.return_early = False
@@ -85,7 +85,7 @@ def test_native_call_path_equals_the_python_one():
     Python give bitwise the same logits, tokens and LoRA gradients; the native path is taken."""
     torch.backends.cuda.matmul.allow_tf32 = False
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
-        from client import connect
+        from symbiont import connect
 
         conn = connect(ex.url)
         t = conn.transport
@@ -122,7 +122,7 @@ def test_graph_replays_equal_eager_calls(model):
     got, stats = {}, {}
     for flags in ((), ("--no-native-serve",), ("--graph-tokens", "0")):
         with running_executor(model, "--device", "cuda:0", *flags) as ex:
-            from client import connect
+            from symbiont import connect
 
             conn = connect(ex.url)
             x = ids(2, 13).cuda()
@@ -193,7 +193,7 @@ def _killed_mid_call(device: str) -> None:
     import sys
     import time
 
-    from client import connect
+    from symbiont import connect
     from tests.conftest import REPO
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
@@ -241,8 +241,8 @@ def test_stalled_input_copy_does_not_stall_other_tenants():
     import threading
     import time
 
-    from client import connect
-    from proto import executor_pb2 as pb
+    from symbiont import connect
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -293,8 +293,8 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu(served_by):
     replay queued behind the wait)."""
     import time
 
-    from client import connect
-    from proto import executor_pb2 as pb
+    from symbiont import connect
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -356,8 +356,8 @@ def test_failed_call_returns_early_and_raises_later():
     import threading
     import time
 
-    from client.errors import UnknownUnitError
-    from proto import executor_pb2 as pb
+    from symbiont.errors import UnknownUnitError
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -411,8 +411,8 @@ def test_a_synchronise_inside_a_call_does_not_wait_for_ever_on_a_failed_call():
     must not need the transport's lock, which the caller holds (session 5's review, finding #3)."""
     import threading
 
-    from client.errors import UnknownUnitError
-    from proto import executor_pb2 as pb
+    from symbiont.errors import UnknownUnitError
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -446,7 +446,7 @@ def test_a_call_from_a_thread_without_cuda_work():
     in, a driver call: it makes the device's context current itself, as the runtime would."""
     import threading
 
-    from proto import executor_pb2 as pb
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -494,7 +494,7 @@ def test_calls_on_two_streams_keep_their_order():
     (both use the mailbox's one input area and words): the first call's input copy sits behind
     a long kernel on its stream, the third call goes back to the default stream behind another,
     and every result is still right."""
-    from proto import executor_pb2 as pb
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
@@ -531,7 +531,7 @@ def test_tenant_killed_while_the_gpu_waits_for_its_input():
     import sys
     import time
 
-    from client import connect
+    from symbiont import connect
     from tests.conftest import REPO
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
@@ -554,7 +554,7 @@ def test_detached_gpu_mailbox_is_parked_and_reused_by_its_process():
     map it); the same process attaching again gets it back instead of a new one."""
     import time
 
-    from client import connect
+    from symbiont import connect
 
     with running_executor("tiny-llama", "--device", "cuda:0", "--mailbox-mb", "4") as ex:
         first = connect(ex.url)
@@ -579,7 +579,7 @@ def test_peer_gpu_tenant_parity(name, own_streams):
     copies on the tenant's streams, ordered by the mailbox's words (the native call path), also
     while the current device is the executor's GPU; or (own_streams False, the path where words
     cannot be mapped) ordered on the executor's GPU by the mailbox's events."""
-    from client import connect
+    from symbiont import connect
 
     torch.backends.cuda.matmul.allow_tf32 = False
     with running_executor(name, "--device", "cuda:0") as ex:
@@ -621,8 +621,8 @@ def test_peer_gpu_tenant_killed_mid_call():
 def test_gpu_executor_mailbox_grows_mid_run(device):
     """Calls larger than the first data area: the tenant's mailbox (device or page-locked host)
     is replaced by a larger one between calls, and results stay exact."""
-    from client import connect
-    from proto import executor_pb2 as pb
+    from symbiont import connect
+    from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0", "--mailbox-mb", "1") as ex:
         conn = connect(ex.url)
@@ -647,9 +647,9 @@ def test_gpu_tenant_attaching_before_any_cuda_work():
 
     job = """
 import sys, torch
-from client import connect
-from proto import executor_pb2 as pb
-from base_executor.models import build_builtin
+from symbiont import connect
+from symbiont.proto import executor_pb2 as pb
+from symbiont.base_executor.models import build_builtin
 conn = connect(sys.argv[1]); conn.ensure_attached("cuda:0")
 ref = build_builtin("tiny-llama").model.layers[0].mlp.down_proj
 x = torch.randn(5, ref.in_features)

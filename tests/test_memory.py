@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from client import connect, virtualize
+from symbiont import connect, virtualize
 from tests.conftest import running_executor
 
 BATCH = 2

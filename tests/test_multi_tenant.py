@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from client import connect
+from symbiont import connect
 from tests.conftest import REPO, running_executor
 
 JOB = os.path.join(REPO, "tests", "jobs", "solo_job.py")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from base_executor.models import build_builtin
-from client import VirtLayer, connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont import VirtLayer, connect, virtualize
 from tests.models import ARCHS, assert_grads_close, ids, lora_grads, lora_model
 
 
@@ -126,8 +126,8 @@ def test_other_peft_methods_after_get_peft_model(executor, method):
 
 def test_long_error_message_is_a_typed_error_not_a_detach(executor):
     """A status that echoes a long tenant-supplied unit id must still fit its ring slot."""
-    from client import UnknownUnitError
-    from proto import executor_pb2 as pb
+    from symbiont import UnknownUnitError
+    from symbiont.proto import executor_pb2 as pb
 
     with connect(executor.url) as conn:
         conn.ensure_attached()

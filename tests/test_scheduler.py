@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from base_executor.catalog import UnitTable
-from base_executor.core import CallError, ExecutorCore
-from base_executor.models import build_builtin
-from base_executor.scheduler import Call, Scheduler, SchedulerConfig
-from proto import executor_pb2 as pb
-from proto.codec import dtype_enum
+from symbiont.base_executor.catalog import UnitTable
+from symbiont.base_executor.core import CallError, ExecutorCore
+from symbiont.base_executor.models import build_builtin
+from symbiont.base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.codec import dtype_enum
 
 Q = "model.layers.0.self_attn.q_proj"
 K = "model.layers.0.self_attn.k_proj"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client import virtualize
+from symbiont import virtualize
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads, lora_model
 
 

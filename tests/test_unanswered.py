@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from client.errors import InternalError, UnknownUnitError
-from client.transports.unanswered import Sent, Unanswered, previous_seq
-from proto import codec, mailbox
-from proto import executor_pb2 as pb
+from symbiont.errors import InternalError, UnknownUnitError
+from symbiont.client.transports.unanswered import Sent, Unanswered, previous_seq
+from symbiont.proto import codec, mailbox
+from symbiont.proto import executor_pb2 as pb
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from base_executor import runner
-from base_executor.catalog import UnitTable
-from base_executor.models import build_builtin
-from client import virtualize
-from proto import executor_pb2 as pb
+from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import UnitTable
+from symbiont.base_executor.models import build_builtin
+from symbiont import virtualize
+from symbiont.proto import executor_pb2 as pb
 from tests.models import assert_grads_close, enable_checkpointing, ids, lora_grads, lora_model
 from tests.test_fusion import GATE_UP, LAYERS, QKV, CallCount, _lora, steps_side_by_side
 
@@ -71,8 +71,8 @@ def test_no_mlp_unit_for_other_blocks():
 
 
 def test_mlp_unit_checks_its_calls(executor):
-    from client import connect
-    from client.errors import InvalidCallError, ShapeMismatchError
+    from symbiont import connect
+    from symbiont.errors import InvalidCallError, ShapeMismatchError
 
     conn = connect(executor.url)
     try:

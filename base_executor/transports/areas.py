@@ -21,9 +21,9 @@ import threading
 
 import torch
 
-from proto import executor_pb2 as pb
-from proto import mailbox
-from proto.procs import start_time
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import mailbox
+from symbiont.proto.procs import start_time
 
 log = logging.getLogger("base_executor")
 
@@ -129,7 +129,7 @@ class AreaPool:
                 areas.gpu = self._region(owner, data_bytes)
                 self._map_words(areas)
             elif self.device.type == "cuda" and host_bytes:
-                from proto.cuda_ipc import pin_host
+                from symbiont.proto.cuda_ipc import pin_host
 
                 base = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()  # no buffer export is kept
                 pin_host(self.device, base, len(mem))
@@ -143,7 +143,7 @@ class AreaPool:
     def _map_words(self, areas: Areas) -> None:
         """Lets our GPU wait on the tenant's input word, on a stream of the tenant's own; where the
         driver cannot, the tenant's calls wait on the host for its input_ready event instead."""
-        from proto.cuda_ipc import drop_stream, own_stream, stream_wait, stream_write
+        from symbiont.proto.cuda_ipc import drop_stream, own_stream, stream_wait, stream_write
 
         words = stream = None
         try:
@@ -163,7 +163,7 @@ class AreaPool:
         areas.words, areas.out_word, areas.stream = words, out_word, stream
 
     def _region(self, owner: Owner, nbytes: int):
-        from proto.cuda_ipc import DeviceRegion
+        from symbiont.proto.cuda_ipc import DeviceRegion
 
         with self._lock:
             fit = [r for r in self._parked.get(owner, []) if r.nbytes >= nbytes]
@@ -190,7 +190,7 @@ class AreaPool:
             drop_calls(areas.data)  # calls still queued read the area: they go first
             areas.lane = None  # (its counts were taken at retire; it holds an export of the mailbox)
             if areas.words:
-                from proto.cuda_ipc import drop_stream
+                from symbiont.proto.cuda_ipc import drop_stream
 
                 areas.release_wait()  # (its tenant is detached)
                 areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
@@ -205,7 +205,7 @@ class AreaPool:
                         graphs.close()
                 areas.graphs = areas.own_graphs = None
             if areas.pinned:
-                from proto.cuda_ipc import unpin_host
+                from symbiont.proto.cuda_ipc import unpin_host
 
                 torch.cuda.current_stream(self.device).synchronize()  # an input copy queued may still read it
                 unpin_host(self.device, areas.pinned)

@@ -31,14 +31,14 @@ import torch
 import zmq
 from google.protobuf.message import DecodeError
 
-from base_executor.core import CallError, ExecutorCore
-from base_executor.transports.areas import AreaPool, Tenant, owner_alive
-from base_executor.transports.local_calls import LocalCalls
-from base_executor.transports.local_control import LocalControl
-from proto import mailbox, urls
-from proto.cuda_ipc import reached, stream_wait
-from proto import executor_pb2 as pb
-from proto._doorbell import Doorbell
+from symbiont.base_executor.core import CallError, ExecutorCore
+from symbiont.base_executor.transports.areas import AreaPool, Tenant, owner_alive
+from symbiont.base_executor.transports.local_calls import LocalCalls
+from symbiont.base_executor.transports.local_control import LocalControl
+from symbiont.proto import mailbox, urls
+from symbiont.proto.cuda_ipc import reached, stream_wait
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto._doorbell import Doorbell
 
 log = logging.getLogger("base_executor")
 

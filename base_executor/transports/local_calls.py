@@ -9,13 +9,13 @@ import dataclasses
 import logging
 import time
 
-from base_executor.core import CallError, Result
-from base_executor.graphs import CallGraphs
-from base_executor.scheduler import Call
-from base_executor.transports.areas import Tenant
-from proto import codec, mailbox
-from proto.cuda_ipc import native_ops, reached, stream_write
-from proto import executor_pb2 as pb
+from symbiont.base_executor.core import CallError, Result
+from symbiont.base_executor.graphs import CallGraphs
+from symbiont.base_executor.scheduler import Call
+from symbiont.base_executor.transports.areas import Tenant
+from symbiont.proto import codec, mailbox
+from symbiont.proto.cuda_ipc import native_ops, reached, stream_write
+from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)

@@ -12,10 +12,10 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from base_executor.core import clip
-from base_executor.transports.areas import Areas, Tenant, owner_alive, owner_of
-from proto import mailbox
-from proto import executor_pb2 as pb
+from symbiont.base_executor.core import clip
+from symbiont.base_executor.transports.areas import Areas, Tenant, owner_alive, owner_of
+from symbiont.proto import mailbox
+from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)

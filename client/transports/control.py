@@ -8,9 +8,9 @@ import time
 import zmq
 from google.protobuf.message import DecodeError
 
-from client.errors import ExecutorUnavailableError, MalformedMessageError
-from proto import executor_pb2 as pb
-from proto.procs import alive
+from symbiont.client.errors import ExecutorUnavailableError, MalformedMessageError
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.procs import alive
 
 SLICE_S = 0.2  # how often a wait for a reply looks whether the executor is alive
 

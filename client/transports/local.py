@@ -17,21 +17,21 @@ from __future__ import annotations
 import warnings
 
 import torch
-from client.errors import (
+from symbiont.client.errors import (
     ExecutorUnavailableError,
     InternalError,
     NotAttachedError,
     ResourceExhaustedError,
 )
-from client.transport import Transport
-from client.transports.control import ControlChannel
-from client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
-from client.transports.unanswered import Sent, Unanswered, reply_error
-from client.transports.words import StreamOrder, start_watchdog
-from proto import mailbox, urls
-from proto.procs import alive
-from proto import executor_pb2 as pb
-from proto._doorbell import Doorbell
+from symbiont.client.transport import Transport
+from symbiont.client.transports.control import ControlChannel
+from symbiont.client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
+from symbiont.client.transports.unanswered import Sent, Unanswered, reply_error
+from symbiont.client.transports.words import StreamOrder, start_watchdog
+from symbiont.proto import mailbox, urls
+from symbiont.proto.procs import alive
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto._doorbell import Doorbell
 
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
@@ -89,7 +89,7 @@ class LocalTransport(LocalCalls, Transport):
         self._spin = self.spin_us if self.spin_us is not None else (GPU_SPIN_US if on_gpu else SPIN_US)
         order = None
         if on_gpu:
-            from proto.cuda_ipc import OpenedRegion, enable_peer_access
+            from symbiont.proto.cuda_ipc import OpenedRegion, enable_peer_access
 
             c = reply.cuda
             own = c.input_word and (self.peer_streams or self.device == self.area_device)

@@ -11,10 +11,10 @@ import warnings
 
 import torch
 
-from client.errors import InternalError
-from client.transports.unanswered import Sent
-from client.transports.words import StreamOrder
-from proto import codec, mailbox
+from symbiont.client.errors import InternalError
+from symbiont.client.transports.unanswered import Sent
+from symbiont.client.transports.words import StreamOrder
+from symbiont.proto import codec, mailbox
 
 TAKE_EVERY = 16  # a native call takes the replies that came once this many calls are unanswered
 MAX_UNANSWERED = 32  # calls sent before the replies of some are waited for (the rings hold 64)
@@ -109,7 +109,7 @@ def native_lane(box: mailbox.Mailbox, order: StreamOrder, wake_mem, url: str):
     """The native call path of a mailbox whose calls order on our GPU by words, where the native
     stream operations are built and the CUDA driver is there (else None: calls make their steps
     from Python)."""
-    from proto.cuda_ipc import native_ops
+    from symbiont.proto.cuda_ipc import native_ops
 
     ops = native_ops()
     if ops is None:

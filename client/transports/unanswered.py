@@ -25,10 +25,10 @@ import threading
 
 import torch
 
-from client.errors import InternalError, error_for_status
-from proto import codec
-from proto import executor_pb2 as pb
-from proto.cuda_ipc import reached
+from symbiont.client.errors import InternalError, error_for_status
+from symbiont.proto import codec
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.cuda_ipc import reached
 
 LIVENESS_SLICE_US = 200_000  # how long a wait sleeps before it looks whether the executor is alive
 RELEASE_POLL_US = 1000  # how often a failed call's release looks at the output word

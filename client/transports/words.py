@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
-from client.transports.unanswered import RELEASE_POLL_US, Unanswered
-from proto.cuda_ipc import OpenedRegion, copy_async, stream_wait, stream_write
+from symbiont.client.transports.unanswered import RELEASE_POLL_US, Unanswered
+from symbiont.proto.cuda_ipc import OpenedRegion, copy_async, stream_wait, stream_write
 
 WATCH_S = 0.05  # the watchdog's period
 

@@ -6,7 +6,7 @@ def gpu_tenant_and_input(url: str, unit: str):
     """A connection to the executor at `url` attached on cuda:0, and a 3-token input for `unit` there."""
     import torch
 
-    from client import connect
+    from symbiont import connect
 
     conn = connect(url)
     conn.ensure_attached("cuda:0")

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from proto import executor_pb2 as pb  # noqa: E402
+from symbiont.proto import executor_pb2 as pb  # noqa: E402
 from tests.jobs import gpu_tenant_and_input  # noqa: E402
 
 UNIT = "model.layers.0.mlp.down_proj"

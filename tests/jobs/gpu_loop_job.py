@@ -6,8 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from base_executor.models import build_builtin  # noqa: E402
-from client import virtualize  # noqa: E402
+from symbiont.base_executor.models import build_builtin  # noqa: E402
+from symbiont import virtualize  # noqa: E402
 
 device = sys.argv[2] if len(sys.argv) > 2 else "cuda:0"
 model = virtualize(build_builtin("tiny-llama").to(device), sys.argv[1])

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from base_executor.models import build_builtin  # noqa: E402
-from client import virtualize  # noqa: E402
+from symbiont.base_executor.models import build_builtin  # noqa: E402
+from symbiont import virtualize  # noqa: E402
 from tests.models import ids, lora_model  # noqa: E402
 
 

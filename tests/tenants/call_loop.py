@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from client import connect
-from proto import executor_pb2 as pb
+from symbiont import connect
+from symbiont.proto import executor_pb2 as pb
 
 UNIT = "model.layers.1.mlp.up_proj"  # tiny-llama: 64 -> 128
 

@@ -26,8 +26,8 @@ import traceback
 
 import torch
 
-from base_executor.models import build_builtin
-from client import connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont import connect, virtualize
 
 MODEL = "tiny-llama"
 RTOL = 1e-5

@@ -1,0 +1,14 @@
+"""The typed errors a tenant sees, under their public name (defined in `symbiont.client.errors`)."""
+from symbiont.client.errors import (  # noqa: F401
+    DTypeMismatchError,
+    ExecutorUnavailableError,
+    InternalError,
+    InvalidCallError,
+    MalformedMessageError,
+    ModelMismatchError,
+    NotAttachedError,
+    ResourceExhaustedError,
+    ShapeMismatchError,
+    SymbiontError,
+    UnknownUnitError,
+)
