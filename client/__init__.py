@@ -1,5 +1,5 @@
 """symbiont's tenant library: split a Hugging Face model so its frozen layers run in a base executor."""
-from symbiont.client.connection import Connection, connect, wait_for_executor
+from symbiont.client.connection import Connection, connect, parameters_on_meta, wait_for_executor
 from symbiont.client.errors import (
     DTypeMismatchError,
     ExecutorUnavailableError,
@@ -17,7 +17,7 @@ from symbiont.client.shim import RemoteWeight, VirtLayer
 from symbiont.client.virtualize import virtualize
 
 __all__ = [
-    "Connection", "connect", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
+    "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
     "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
 ]

@@ -7,6 +7,7 @@ import os
 import pathlib
 import tempfile
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -59,26 +60,57 @@ class Connection:
         d = json.loads(self.skeleton().config_json)
         return AutoConfig.for_model(d.pop("model_type"), **d)
 
-    def model(self, *, attn_implementation: str | None = None, fuse: bool = True) -> nn.Module:
-        """The tenant's model built from the executor's skeleton alone, already virtualized
-        (`fuse`: as for virtualize)."""
+    def model(
+        self,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        build: Callable[[object], nn.Module] | None = None,
+        attn_implementation: str | None = None,
+        fuse: bool = True,
+        whole_mlp: bool = True,
+    ) -> nn.Module:
+        """The tenant's model built from the executor's skeleton alone, already virtualized and
+        attached: no checkpoint on this side, and the units' weights are never materialised
+        anywhere (their parameters are built on the meta device and become shims). The non-unit
+        weights (norms, ...) and the buffers go to `device`, whose placement (CPU, the executor's
+        GPU, a peer GPU) picks the data plane at attach.
+
+        `dtype`: the served dtype (the default); the units compute in it, so another one raises.
+        `build(config)` makes the model for a config (default: `AutoModelForCausalLM.from_config`);
+        pass your own class's constructor to build that instead. Its module paths must be the
+        served model's. `fuse`, `whole_mlp`: as for virtualize.
+        """
         from safetensors.torch import load
         from transformers import AutoModelForCausalLM
 
         from symbiont.client.virtualize import virtualize
 
+        served = codec.torch_dtype(self.skeleton().dtype)
+        if dtype is not None and dtype != served:
+            raise ValueError(
+                f"the executor serves {served}; a tenant model in {dtype} would feed its units the wrong dtype. "
+                f"Pass dtype={served} or leave it out"
+            )
+        device = torch.device(device)
         config = self.config()
         if attn_implementation:
             config._attn_implementation = attn_implementation
-        dtype = codec.torch_dtype(self.skeleton().dtype)
-        with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        virtualize(model, self, fuse=fuse)
+        if build is None:
+            build = lambda cfg: AutoModelForCausalLM.from_config(cfg, dtype=served)  # noqa: E731
+        with parameters_on_meta(), _default_dtype(served):
+            model = build(config)
+        for module in model.modules():  # computed buffers (rotary frequencies, ...) are real: move them
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device)
         state = load(self.skeleton().weights)
         missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in state]
         if missing:
             raise RuntimeError(f"the executor's skeleton lacks weights for {missing[:5]}")
-        model.load_state_dict(state, strict=False, assign=True)
+        # one tensor at a time: what the device holds at most is the non-unit weights
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
         model.eval()
         return model
 
@@ -128,9 +160,11 @@ def connect(url: str = "local://symbiont", **kwargs) -> Connection:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Builds modules with parameters on the meta device (no memory) but real buffers, so
-    computed buffers such as rotary frequencies stay correct."""
+    computed buffers such as rotary frequencies stay correct. A model built under it can be
+    virtualized (its units never had weights), then take its non-unit weights with
+    `load_state_dict(state, strict=False, assign=True)`; `Connection.model` does all of it."""
     original = nn.Module.register_parameter
 
     def register(module, name, param):
@@ -143,3 +177,14 @@ def _parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = original
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Modules built inside make floating tensors in `dtype` (a user's `build` that takes no dtype)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

@@ -98,7 +98,13 @@ def _confirming(transport):
 
 
 def virtualize(
-    model: nn.Module, executor="local://symbiont", *, check_weights: bool = True, fuse: bool = True, whole_mlp: bool = True
+    model: nn.Module,
+    executor="local://symbiont",
+    *,
+    check_weights: bool = True,
+    fuse: bool = True,
+    whole_mlp: bool = True,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -106,6 +112,9 @@ def virtualize(
     and one backward (client/fusion.py); fuse=False makes one call per unit. With `whole_mlp`, a
     gated MLP block (Llama, Mistral, Qwen2, Gemma) none of whose Linears has an adapter is one
     call forward and one backward (client/whole_mlp.py), when the executor serves it so.
+    `device` is where the tenant's tensors live (default: where the model's parameters are); a
+    model whose units are still on the meta device (built under `parameters_on_meta`) is
+    virtualized without ever holding their weights.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -152,7 +161,11 @@ def virtualize(
             raise ModelMismatchError(f"unit {unit.id!r}: weights differ from the served model's (shape {list(w.shape)})")
         plan.append((name, module, mixin, unit))
 
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    if device is None:
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     conn.ensure_attached(device)
     shims = {}
     for name, module, mixin, unit in plan:

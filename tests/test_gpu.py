@@ -689,3 +689,37 @@ def test_executor_killed_while_our_gpu_waits_for_a_result():
     assert out.split() == ["synchronized", "ExecutorUnavailableError"], out
     with running_executor("tiny-llama", "--device", "cuda:0") as again:
         _serves_exactly(again.url)
+
+
+def test_same_gpu_tenant_from_the_skeleton_holds_no_unit_weights():
+    """connect(url).model(device="cuda:0") of `llama-1b`: torch's allocator peaks at the non-unit
+    weights and buffers while the model is built (the mailbox is the executor's allocation), and
+    the model is the unsplit one (tiny-llama, logits to rounding)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from symbiont import connect
+    from tests.conftest import REPO
+
+    with running_executor("llama-1b", "--device", "cuda:0", "--dtype", "bfloat16") as ex:
+        out = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tests", "tenants", "skeleton_peak.py"), ex.url, "cuda:0"],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"llama-1b same-GPU tenant: allocator peak {r['cuda_peak'] / 2**20:.2f} MiB while building "
+          f"(non-unit weights {r['non_unit_bytes'] / 2**20:.2f} MiB, buffers {r['buffer_bytes'] / 2**20:.3f} MiB)")
+    assert r["logits_finite"]
+    assert r["cuda_peak"] <= r["non_unit_bytes"] + r["buffer_bytes"] + (2 << 20)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex, connect(ex.url) as conn:
+        virt = conn.model(device="cuda:0", attn_implementation="eager")
+        assert conn.transport.area_device == torch.device("cuda:0")  # the same-GPU plane
+        ref = build_builtin("tiny-llama").cuda()
+        x = ids(2, 13).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
