@@ -46,6 +46,11 @@ def _serve(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     sched = SchedulerConfig(
+        policy=args.policy,
+        starve_us=args.starve_us,
+        max_tenant_calls=args.max_tenant_calls,
+        max_tenant_tokens=args.max_tenant_tokens,
+        max_queued_tokens=args.max_queued_tokens,
         max_wait_us=args.max_wait_us,
         inference_wait_us=args.inference_wait_us if args.inference_wait_us is not None else args.max_wait_us // 10,
         max_batch_tokens=args.max_batch_tokens,
@@ -86,8 +91,14 @@ def _serve(args: argparse.Namespace) -> int:
         "model %s: %d units, %.1f M frozen parameters, %s on %s, loaded in %.1f s",
         catalog.model, len(table), table.parameter_count() / 1e6, args.dtype, device, time.monotonic() - t0,
     )
-    log.info("batching: max wait %d us (inference %d us), max batch %d tokens%s",
-             sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens, ", exact (batch-invariant)" if sched.exact else "")
+    log.info("batching: %s, max wait %d us (inference %d us), max batch %d tokens%s",
+             sched.policy, sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens,
+             ", exact (batch-invariant)" if sched.exact else "")
+    if args.metrics_port:
+        from symbiont.base_executor.stats_view import serve_metrics
+
+        serve_metrics(args.metrics_port, server._stats)
+        log.info("Prometheus metrics on port %d", args.metrics_port)
 
     def on_signal(signum, _frame):
         log.info("%s: draining in-flight calls, then exiting", signal.Signals(signum).name)
@@ -124,6 +135,15 @@ def _warn_without_mps(log: logging.Logger) -> None:
         )
 
 
+def _stats(args: argparse.Namespace) -> int:
+    from symbiont.base_executor.stats_view import show
+
+    try:
+        return show(args.url, args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
 def _models(_args: argparse.Namespace) -> int:
     default = models.default_model()
     for name, b in models.BUILTINS.items():
@@ -148,11 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default="local://symbiont", help="address to serve on (local://NAME)")
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "no-lockstep"],
+                   help="when a unit's queue runs: after its class's wait or when no one else can join (opportunistic), "
+                   "when every attached tenant has a call in it (lockstep), or at once (no-lockstep)")
     s.add_argument("--max-wait-us", type=int, default=500, help="longest a training call waits to be batched")
     s.add_argument("--inference-wait-us", type=int, default=None, help="longest an inference call waits (default max-wait/10)")
     s.add_argument("--max-batch-tokens", type=int, default=8192, help="a unit's queue with this many tokens runs at once")
     s.add_argument("--exact", action="store_true", help="batch-invariant results: one GEMM per call within a batch, "
                    "so every tenant gets bitwise what it would get alone (slower under load)")
+    s.add_argument("--starve-us", type=int, default=20000, help="a queue waiting this long goes before the other "
+                   "class's younger ones (inference goes first otherwise)")
+    s.add_argument("--max-tenant-calls", type=int, default=0, help="calls one tenant may have queued; more are "
+                   "answered RETRY_LATER (0: no limit)")
+    s.add_argument("--max-tenant-tokens", type=int, default=0, help="tokens one tenant may have queued (0: no limit)")
+    s.add_argument("--max-queued-tokens", type=int, default=0, help="tokens queued over all tenants past which new "
+                   "calls are answered RETRY_LATER with a hint when to retry (0: no limit)")
+    s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client)")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
@@ -169,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "a lone tenant's calls that repeat one already run as a CUDA graph are served natively, no Python per call)")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
+
+    st = sub.add_parser("stats", help="an executor's live figures: tenants, calls/s, batch sizes, queue waits, memory")
+    st.add_argument("url", nargs="?", default="local://symbiont")
+    st.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S seconds until interrupted")
+    st.set_defaults(func=_stats)
 
     m = sub.add_parser("models", help="list the built-in models")
     m.set_defaults(func=_models)

@@ -11,7 +11,7 @@ import torch
 
 from symbiont.base_executor import runner
 from symbiont.base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
-from symbiont.base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from symbiont.base_executor.scheduler import Call, Refused, Scheduler, SchedulerConfig
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import NAME_OF, TORCH_OF
 
@@ -23,13 +23,14 @@ OPS = (pb.FORWARD, pb.BACKWARD, pb.FORWARD_NO_BIAS)
 class CallError(Exception):
     """A call that cannot be served; becomes a Status on the wire and fails only that call."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, retry_after_s: float = 0.0):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
     def status(self) -> pb.Status:
-        return pb.Status(code=self.code, message=clip(self.message))
+        return pb.Status(code=self.code, message=clip(self.message), retry_after_us=int(self.retry_after_s * 1e6))
 
 
 def clip(message: str, limit: int = 300) -> str:
@@ -45,6 +46,24 @@ class Result:
     error: CallError | None = None
 
 
+BATCH_BUCKETS = 7  # batches by calls held: 1, 2, 3-4, 5-8, 9-16, 17-32, 33+
+
+
+def batch_bucket(calls: int) -> int:
+    return min(BATCH_BUCKETS - 1, (calls - 1).bit_length())
+
+
+@dataclasses.dataclass
+class ClassCounters:
+    """One latency class's batches (ClassStats on the wire)."""
+
+    calls: int = 0
+    batches: int = 0
+    tokens: int = 0
+    refused: int = 0
+    batch_calls: list = dataclasses.field(default_factory=lambda: [0] * BATCH_BUCKETS)
+
+
 @dataclasses.dataclass
 class Counters:
     calls: int = 0
@@ -57,6 +76,12 @@ class Counters:
     per_unit: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_unit_batches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_unit_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    flops: float = 0.0  # model FLOPs of the calls served
+    refused: int = 0  # calls answered RETRY_LATER
+    classes: dict = dataclasses.field(default_factory=lambda: {pb.TRAINING: ClassCounters(), pb.INFERENCE: ClassCounters()})
+    per_tenant_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    per_tenant_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    per_tenant_refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class ExecutorCore:
@@ -116,11 +141,19 @@ class ExecutorCore:
     # ---- queue and run ----------------------------------------------------
 
     def submit(self, call: Call) -> None:
-        self.scheduler.submit(call)
+        """Queues `call`; CallError(RETRY_LATER) when the scheduler refuses it (quotas, saturation)."""
+        try:
+            self.scheduler.submit(call)
+        except Refused as e:
+            k = self.counters
+            k.refused += 1
+            k.classes[call.latency].refused += 1
+            k.per_tenant_refused[call.tenant] += 1
+            raise CallError(pb.RETRY_LATER, str(e), e.retry_after_s) from None
 
-    def step(self, now: float, can_grow: bool = True) -> list[Result]:
+    def step(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Result]:
         """Runs at most one batch; [] when nothing is due."""
-        calls = self.scheduler.pop_batch(now, can_grow)
+        calls = self.scheduler.pop_batch(now, can_grow, attached)
         if not calls:
             return []
         groups = [[c] for c in calls] if self.scheduler.config.exact else [calls]
@@ -176,14 +209,27 @@ class ExecutorCore:
         return [Result(c, None, err) for c in calls]
 
     def _count(self, calls: list[Call]) -> None:
-        self.count(calls[0].unit.id, len(calls), 1, sum(c.tokens for c in calls))
+        c0 = calls[0]
+        latency = pb.INFERENCE if any(c.latency == pb.INFERENCE for c in calls) else pb.TRAINING
+        self.count(c0.unit, c0.op, len(calls), 1, sum(c.tokens for c in calls), latency)
+        for c in calls:
+            self.counters.per_tenant_calls[c.tenant] += 1
+            self.counters.per_tenant_tokens[c.tenant] += c.tokens
 
-    def count(self, unit_id: str, calls: int, batches: int, tokens: int) -> None:
-        """Counts calls served of one unit (also those a transport served without the core)."""
+    def count(self, unit: Unit, op: int, calls: int, batches: int, tokens: int, latency: int = pb.TRAINING) -> None:
+        """Counts calls served of one unit, `batches` batches of calls // batches calls each (also
+        those a transport served without the core)."""
         k = self.counters
         k.calls += calls
         k.batches += batches
         k.tokens += tokens
-        k.per_unit[unit_id] += calls
-        k.per_unit_batches[unit_id] += batches
-        k.per_unit_tokens[unit_id] += tokens
+        k.per_unit[unit.id] += calls
+        k.per_unit_batches[unit.id] += batches
+        k.per_unit_tokens[unit.id] += tokens
+        k.flops += runner.flops(unit, op, tokens)
+        cls = k.classes[latency]
+        cls.calls += calls
+        cls.batches += batches
+        cls.tokens += tokens
+        if batches:
+            cls.batch_calls[batch_bucket(max(1, calls // batches))] += batches

@@ -51,6 +51,17 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
     raise ValueError(f"unit {unit.id} ({unit.kind}) does not support {pb.Op.Name(op)}")
 
 
+def flops(unit: Unit, op: int, tokens: int) -> float:
+    """Model FLOPs (2 per multiply-add) of one call: what the stats count as work done."""
+    if unit.kind == EMBEDDING:
+        return 0.0
+    if unit.kind == MLP:
+        pair, down = unit.members
+        forward = flops(pair, op, tokens) + flops(down, op, tokens)
+        return forward if op == pb.FORWARD else 2 * forward + flops(pair, op, tokens)  # (the recompute of gate/up)
+    return 2.0 * tokens * unit.in_features * unit.out_features
+
+
 def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
     """A gated MLP block, down(act(gate(x)) * up(x)), its gate and up one unit (a group, or one
     Linear like Phi-3's gate_up_proj), with the ops its module uses (forward is

@@ -1,9 +1,19 @@
-"""Per-unit queues and opportunistic batching. No sockets, no threads: a pure object.
+"""Per-unit queues, batching policies and admission. No sockets, no threads: a pure object.
 
-A queue (one per unit and op) is ready when its oldest call has waited long enough for its
-latency class, when its queued tokens reach `max_batch_tokens`, or when no other call can
-arrive before something runs (every attached tenant already waits on a call). Inference
-queues go first. Calls batched at one unit owe nothing to each other at the next one.
+One queue per unit and op. When a queue is ready depends on the policy (Symbiosis, Table 4):
+- opportunistic (the default): when its oldest call has waited its latency class's wait, when its
+  queued tokens reach `max_batch_tokens`, or when no other call can arrive before something runs
+  (every attached tenant already waits on a call). Calls batched at one unit owe nothing to each
+  other at the next one, so tenants that left a unit together tend to reach the next together.
+- lockstep: only when every attached tenant has a call in it (or the tokens reach the cap, or
+  every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks).
+- no-lockstep: at once; a batch holds only the calls that arrived together.
+
+Inference queues go first, except that a queue whose oldest call has waited `starve_us` goes
+before any younger one of the other class: neither class starves the other.
+
+Admission: a call over its tenant's quota of queued calls or tokens, or arriving while the queues
+hold `max_queued_tokens`, is refused (`Refused`, with a hint when to retry), never queued.
 """
 from __future__ import annotations
 
@@ -15,8 +25,14 @@ import torch
 from symbiont.proto import executor_pb2 as pb
 
 
+POLICIES = ("opportunistic", "lockstep", "no-lockstep")
+WAIT_WINDOW = 4096  # queue waits kept per class for their percentiles
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
+    policy: str = "opportunistic"
+    """When a queue runs: opportunistic | lockstep | no-lockstep (module docstring)."""
     max_wait_us: int = 500
     """How long a training call may wait for others to join its batch."""
     inference_wait_us: int = 50
@@ -27,8 +43,21 @@ class SchedulerConfig:
     """Batch-invariant results: each call of a batch gets its own GEMM, so a tenant's results are
     bitwise what it would get alone (GEMM kernels reorder sums with the row count otherwise);
     a fused group's forward is one GEMM per member, bitwise what unfused calls would get."""
+    starve_us: int = 20_000
+    """A queue whose oldest call waited this long goes before younger queues of the other class."""
+    max_tenant_calls: int = 0
+    """Calls one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
+    max_tenant_tokens: int = 0
+    """Tokens one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
+    max_queued_tokens: int = 0
+    """Tokens queued over all tenants past which new calls are refused with RETRY_LATER (0: no limit)."""
 
     def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("starve_us", "max_tenant_calls", "max_tenant_tokens", "max_queued_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_us < 0 or self.inference_wait_us < 0:
             raise ValueError(f"waits must be >= 0 (max_wait_us={self.max_wait_us}, inference_wait_us={self.inference_wait_us})")
         if self.max_batch_tokens < 1:
@@ -57,6 +86,14 @@ class Call:
         return self.x.shape[0]
 
 
+class Refused(Exception):
+    """A call the scheduler will not queue now: over a quota, or the queues are full."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -64,13 +101,40 @@ class Scheduler:
         self._tokens: collections.Counter = collections.Counter()
         self._inference: collections.Counter = collections.Counter()
         self._per_tenant: collections.Counter = collections.Counter()
+        self._tenant_tokens: collections.Counter = collections.Counter()
+        self.queued_tokens = 0
+        self.waits_us = {pb.TRAINING: collections.deque(maxlen=WAIT_WINDOW), pb.INFERENCE: collections.deque(maxlen=WAIT_WINDOW)}
+        self._rate = 0.0  # tokens per second the queues drain at, smoothed (the retry hint)
+        self._last_pop = None
+
+    def admit(self, call: Call) -> None:
+        """Raises Refused when `call` may not be queued now (quotas, a saturated executor)."""
+        c = self.config
+        why = None
+        if c.max_tenant_calls and self._per_tenant[call.tenant] >= c.max_tenant_calls:
+            why = f"tenant {call.tenant} already has {self._per_tenant[call.tenant]} calls queued (quota {c.max_tenant_calls})"
+        elif c.max_tenant_tokens and self._tenant_tokens[call.tenant] + call.tokens > c.max_tenant_tokens:
+            why = (f"tenant {call.tenant} has {self._tenant_tokens[call.tenant]} tokens queued; {call.tokens} more pass its "
+                   f"quota of {c.max_tenant_tokens}")
+        elif c.max_queued_tokens and self.queued_tokens + call.tokens > c.max_queued_tokens:
+            why = f"the executor is saturated: {self.queued_tokens} tokens queued (at most {c.max_queued_tokens})"
+        if why is not None:
+            raise Refused(why, self.retry_after_s(call.tenant))
+
+    def retry_after_s(self, tenant: int | None = None) -> float:
+        """About how long the queued tokens (`tenant`'s, or everyone's) take to drain."""
+        queued = self.queued_tokens if tenant is None else max(self._tenant_tokens[tenant], self.queued_tokens // 4)
+        return min(1.0, max(1e-4, queued / self._rate if self._rate > 0 else 1e-3))
 
     def submit(self, call: Call) -> None:
+        self.admit(call)
         key = (call.unit.id, call.op)
         self._queues.setdefault(key, collections.deque()).append(call)
         self._tokens[key] += call.tokens
         self._inference[key] += call.latency == pb.INFERENCE
         self._per_tenant[call.tenant] += 1
+        self._tenant_tokens[call.tenant] += call.tokens
+        self.queued_tokens += call.tokens
 
     def pending(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -84,26 +148,35 @@ class Scheduler:
         return tenant in self._per_tenant
 
     def _wait_s(self, key) -> float:
+        if self.config.policy != "opportunistic":  # no-lockstep: none; lockstep: no timer, only the tenants
+            return 0.0 if self.config.policy == "no-lockstep" else float("inf")
         us = self.config.inference_wait_us if self._inference[key] else self.config.max_wait_us
         return us * 1e-6
 
     def next_deadline(self) -> float | None:
-        return min((q[0].arrived + self._wait_s(k) for k, q in self._queues.items()), default=None)
+        d = min((q[0].arrived + self._wait_s(k) for k, q in self._queues.items()), default=None)
+        return None if d == float("inf") else d
 
-    def pop_batch(self, now: float, can_grow: bool = True) -> list[Call]:
+    def pop_batch(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Call]:
         """The calls to run now as one batch (same unit, same op), or [] when nothing is due.
 
         can_grow: False when no call can arrive before something runs, so waiting is pure loss.
+        attached: how many tenants are attached (lockstep waits for all of them at a queue); when
+        every one of them has a call queued, no call can join: nothing waits.
         """
+        can_grow = can_grow and not (attached and len(self._per_tenant) >= attached)
         best, best_rank = None, None
+        starve = self.config.starve_us * 1e-6
         for key, q in self._queues.items():
             due = (
                 not can_grow
                 or self._tokens[key] >= self.config.max_batch_tokens
                 or now - q[0].arrived >= self._wait_s(key)
+                or (self.config.policy == "lockstep" and len({c.tenant for c in q}) >= attached)
             )
             if due:
-                rank = (0 if self._inference[key] else 1, q[0].arrived)
+                # inference first, unless a queue has waited past starve_us: then the oldest first
+                rank = (0 if self._inference[key] or now - q[0].arrived >= starve else 1, q[0].arrived)
                 if best_rank is None or rank < best_rank:
                     best, best_rank = key, rank
         if best is None:
@@ -115,14 +188,28 @@ class Scheduler:
             tokens += q[0].tokens
             batch.append(q.popleft())
         for c in batch:
-            self._tokens[best] -= c.tokens
-            self._inference[best] -= c.latency == pb.INFERENCE
-            self._per_tenant[c.tenant] -= 1
-            if self._per_tenant[c.tenant] == 0:
-                del self._per_tenant[c.tenant]
+            self._forget(best, c)
+            self.waits_us[c.latency].append((now - c.arrived) * 1e6)
         if not q:
             del self._queues[best], self._tokens[best], self._inference[best]
+        if self._last_pop is not None and now > self._last_pop:
+            rate = tokens / max(now - self._last_pop, 1e-5)
+            self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
+        self._last_pop = now
         return batch
+
+    def _forget(self, key, c: Call) -> None:
+        self._tokens[key] -= c.tokens
+        self._inference[key] -= c.latency == pb.INFERENCE
+        self.queued_tokens -= c.tokens
+        self._per_tenant[c.tenant] -= 1
+        self._tenant_tokens[c.tenant] -= c.tokens
+        if self._per_tenant[c.tenant] == 0:
+            del self._per_tenant[c.tenant], self._tenant_tokens[c.tenant]
+
+    def queued(self, tenant: int) -> int:
+        """How many calls of `tenant` are queued."""
+        return self._per_tenant.get(tenant, 0)
 
     def drop(self, predicate) -> int:
         """Forgets every queued call for which predicate(call) is true; returns how many."""
@@ -134,11 +221,7 @@ class Scheduler:
                     keep.append(c)
                     continue
                 dropped += 1
-                self._tokens[key] -= c.tokens
-                self._inference[key] -= c.latency == pb.INFERENCE
-                self._per_tenant[c.tenant] -= 1
-                if self._per_tenant[c.tenant] == 0:
-                    del self._per_tenant[c.tenant]
+                self._forget(key, c)
             if keep:
                 self._queues[key] = keep
             else:

@@ -9,6 +9,7 @@ from symbiont.client.errors import (
     ModelMismatchError,
     NotAttachedError,
     ResourceExhaustedError,
+    RetryLaterError,
     ShapeMismatchError,
     SymbiontError,
     UnknownUnitError,
@@ -18,6 +19,6 @@ from symbiont.client.virtualize import virtualize
 
 __all__ = [
     "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
-    "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "NotAttachedError",
+    "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
 ]

@@ -54,6 +54,14 @@ class InternalError(SymbiontError):
     code = pb.INTERNAL
 
 
+class RetryLaterError(ResourceExhaustedError):
+    """The executor refused the call for now (it is saturated, or this tenant is over its quota of
+    queued calls or tokens); nothing was done. Send it again after `retry_after_s` seconds."""
+
+    code = pb.RETRY_LATER
+    retry_after_s: float = 0.0
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -67,6 +75,7 @@ _BY_CODE = {
         ModelMismatchError,
         ExecutorUnavailableError,
         InternalError,
+        RetryLaterError,
     )
 }
 
@@ -77,7 +86,10 @@ def error_for_status(status: pb.Status, context: str = "") -> SymbiontError | No
         return None
     cls = _BY_CODE.get(status.code, InternalError)
     prefix = f"{context}: " if context else ""
-    return cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")
+    error = cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")
+    if status.code == pb.RETRY_LATER:
+        error.retry_after_s = status.retry_after_us * 1e-6
+    return error
 
 
 def raise_for_status(status: pb.Status, context: str = "") -> None:

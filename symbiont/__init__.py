@@ -16,7 +16,7 @@ if not (_Path(__file__).resolve().parent / "client").is_dir() and (_root / "clie
 
 _EXPORTS = (
     "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError",
-    "InvalidCallError", "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError",
+    "InvalidCallError", "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError",
     "NotAttachedError", "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
 )
 __all__ = [*_EXPORTS, "errors"]

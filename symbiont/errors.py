@@ -8,6 +8,7 @@ from symbiont.client.errors import (  # noqa: F401
     ModelMismatchError,
     NotAttachedError,
     ResourceExhaustedError,
+    RetryLaterError,
     ShapeMismatchError,
     SymbiontError,
     UnknownUnitError,

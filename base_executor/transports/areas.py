@@ -54,7 +54,7 @@ class Areas:
     own_graphs: "object | None" = None  # ... and on `stream`
     lane: "object | None" = None  # proto._stream_ops.ServeLane: serves repeats of own_graphs' calls natively
     lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
-    lane_units: list = dataclasses.field(default_factory=list)  # (unit id, tokens) by the lane's entry index
+    lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
 
     @property
     def data(self):

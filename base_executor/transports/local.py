@@ -169,7 +169,7 @@ class LocalServer(LocalControl, LocalCalls):
             ran = False
             while True:
                 can_grow = self.core.scheduler.waiting_tenants() < len(tenants) and not stopping
-                results = self.core.step(time.monotonic(), can_grow)
+                results = self.core.step(time.monotonic(), can_grow, len(tenants))
                 if not results:
                     break
                 self._deliver(results)

@@ -119,7 +119,7 @@ class LocalCalls:
         reply.ClearField("call_id")
         areas.lane_keys[call.graph_key] = header
         areas.lane.learn(header, int(graph.raw_cuda_graph_exec()), reply.SerializeToString(), len(areas.lane_units))
-        areas.lane_units.append((call.unit.id, call.tokens))
+        areas.lane_units.append((call.unit, call.op, call.tokens, call.latency, t.id))
 
     def _unlearn(self, areas, key) -> None:
         header = areas.lane_keys.pop(key, None)
@@ -144,8 +144,10 @@ class LocalCalls:
             return
         k = self.core.counters
         for index, n in areas.lane.take_counts():
-            unit, tokens = areas.lane_units[index]
-            self.core.count(unit, n, n, n * tokens)  # (each call its own batch)
+            unit, op, tokens, latency, tenant = areas.lane_units[index]
+            self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
+            k.per_tenant_calls[tenant] += n
+            k.per_tenant_tokens[tenant] += n * tokens
             k.graph_replays += n
             k.native_calls += n
 

@@ -10,6 +10,8 @@ import os
 import secrets
 import time
 
+import torch
+
 from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import clip
@@ -169,7 +171,28 @@ class LocalControl:
     def _stats(self) -> pb.StatsReply:
         self._fold_lanes()
         k = self.core.counters
+        sched = self.core.scheduler
+        with self.lock:
+            tenants = [
+                pb.TenantStats(
+                    tenant_id=t.id, name=t.name, pid=t.pid, placement="gpu" if t.gpu is not None else "cpu",
+                    calls=k.per_tenant_calls[t.id], tokens=k.per_tenant_tokens[t.id], queued_calls=sched.queued(t.id),
+                    mailbox_bytes=t.areas.total_bytes, refused=k.per_tenant_refused[t.id],
+                )
+                for t in self.tenants.values()
+            ]
+        gpu = self.core.device.type == "cuda"
         return pb.StatsReply(
+            policy=sched.config.policy,
+            classes=[class_stats(latency, c, sched.waits_us[latency]) for latency, c in k.classes.items()],
+            tenant_stats=tenants,
+            uptime_s=time.monotonic() - self.started,
+            flops=k.flops,
+            refused=k.refused,
+            gpu_allocated_bytes=torch.cuda.memory_allocated(self.core.device) if gpu else 0,
+            gpu_reserved_bytes=torch.cuda.memory_reserved(self.core.device) if gpu else 0,
+            queued_calls=sched.pending(),
+            queued_tokens=sched.queued_tokens,
             tenants=len(self.tenants),
             calls=k.calls,
             batches=k.batches,
@@ -186,6 +209,18 @@ class LocalControl:
             ],
         )
 
+
+
+def class_stats(latency: int, c, waits) -> pb.ClassStats:
+    waits = sorted(waits)  # (a C-level copy of the deque: safe while the data loop appends)
+
+    def pct(q: float) -> float:
+        return waits[min(len(waits) - 1, int(q * (len(waits) - 1) + 0.5))] if waits else 0.0
+
+    return pb.ClassStats(
+        latency=latency, calls=c.calls, batches=c.batches, tokens=c.tokens, batch_calls=c.batch_calls,
+        wait_p50_us=pct(0.5), wait_p99_us=pct(0.99), refused=c.refused,
+    )
 
 
 def _shared(areas: Areas) -> pb.SharedRegion:

@@ -1,0 +1,156 @@
+"""A provider's live view of an executor: `base-executor stats URL [--watch S]` and the Prometheus
+endpoint of `serve --metrics-port N`. Both read the same StatsReply (proto/executor.proto).
+
+Rates (calls/s, tokens/s, TFLOP/s) come from two readings: the one-shot table takes them a second
+apart, `--watch` between its refreshes; the Prometheus figures are counters, rated by the scraper.
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import urls
+
+BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33+")  # calls per batch (ClassStats.batch_calls)
+CLASS_NAMES = {pb.TRAINING: "training", pb.INFERENCE: "inference"}
+
+
+def fetch(url: str, timeout_s: float = 5.0) -> pb.StatsReply:
+    """One StatsReply from the executor serving `url` (no attach: stats need no tenant)."""
+    scheme, name = urls.parse(url)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(urls.control_endpoint(name))
+        sock.send(pb.ControlRequest(stats=pb.StatsRequest()).SerializeToString())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no executor answered at {url} within {timeout_s:.0f} s")
+        reply = pb.ControlReply.FromString(sock.recv_multipart()[-1])
+    finally:
+        sock.close()
+    if reply.status.code != pb.OK:
+        raise RuntimeError(f"stats refused: {pb.Code.Name(reply.status.code)}: {reply.status.message}")
+    return reply.stats
+
+
+def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: float = 0.0) -> str:
+    """The provider's table: totals and rates, each class's batches and waits, each tenant."""
+    rate = (lambda a, b: (a - b) / seconds) if before is not None and seconds > 0 else None
+    lines = [
+        f"policy {now.policy or 'opportunistic'} | up {now.uptime_s:.0f} s | tenants {now.tenants} | "
+        f"queued {now.queued_calls} calls, {now.queued_tokens} tokens | refused {now.refused} | errors {now.errors}",
+        f"calls {now.calls} | batches {now.batches} | tokens {now.tokens} | "
+        f"{now.calls / max(now.batches, 1):.2f} calls per batch",
+    ]
+    if rate is not None:
+        lines.append(
+            f"now: {rate(now.calls, before.calls):.0f} calls/s, {rate(now.tokens, before.tokens):.0f} tokens/s, "
+            f"{rate(now.flops, before.flops) / 1e12:.2f} TFLOP/s"
+        )
+    else:
+        lines.append(f"since start: {now.flops / max(now.uptime_s, 1e-9) / 1e12:.3f} TFLOP/s")
+    lines.append(
+        f"memory: executor GPU {now.gpu_allocated_bytes / 2**30:.2f} GiB allocated, {now.gpu_reserved_bytes / 2**30:.2f} GiB "
+        f"reserved; mailboxes {now.mailbox_bytes / 2**20:.1f} MiB; host private {now.rss_anon_bytes / 2**20:.0f} MiB"
+    )
+    lines.append(f"{'class':<10} {'calls':>9} {'batches':>9} {'wait p50 us':>12} {'p99 us':>9} {'refused':>8}  calls per batch: "
+                 + " ".join(f"{b:>6}" for b in BUCKETS))
+    for c in now.classes:
+        lines.append(f"{CLASS_NAMES.get(c.latency, c.latency):<10} {c.calls:>9} {c.batches:>9} {c.wait_p50_us:>12.0f} "
+                     f"{c.wait_p99_us:>9.0f} {c.refused:>8}  {'':16}" + " ".join(f"{n:>6}" for n in c.batch_calls))
+    if now.tenant_stats:
+        lines.append(f"{'tenant':>6} {'name':<24} {'pid':>8} {'placement':<9} {'calls':>9} {'calls/s':>8} {'queued':>6} "
+                     f"{'mailbox MiB':>11} {'refused':>7}")
+        old = {t.tenant_id: t for t in before.tenant_stats} if before is not None else {}
+        for t in now.tenant_stats:
+            cps = f"{rate(t.calls, old[t.tenant_id].calls):.0f}" if rate is not None and t.tenant_id in old else "-"
+            lines.append(f"{t.tenant_id:>6} {t.name[:24]:<24} {t.pid:>8} {t.placement:<9} {t.calls:>9} {cps:>8} "
+                         f"{t.queued_calls:>6} {t.mailbox_bytes / 2**20:>11.1f} {t.refused:>7}")
+    return "\n".join(lines)
+
+
+def show(url: str, watch: float = 0.0) -> int:
+    """`base-executor stats URL`: the table once (rates over one second), or every `watch` seconds."""
+    before, t0 = fetch(url), time.monotonic()
+    period = watch or 1.0
+    while True:
+        time.sleep(period)
+        now, t1 = fetch(url), time.monotonic()
+        text = table(now, before, t1 - t0)
+        if not watch:
+            print(text)
+            return 0
+        print("\033[2J\033[H" + time.strftime("%H:%M:%S ") + url + "\n" + text, flush=True)
+        before, t0 = now, t1
+
+
+class StatsCollector:
+    """A prometheus_client collector over a function returning the executor's StatsReply."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.read()
+
+        def counter(name, doc, value, labels=None, label_values=()):
+            m = CounterMetricFamily(f"symbiont_{name}", doc, labels=labels)
+            m.add_metric(list(label_values), value)
+            return m
+
+        def gauge(name, doc, value):
+            m = GaugeMetricFamily(f"symbiont_{name}", doc)
+            m.add_metric([], value)
+            return m
+
+        yield gauge("tenants", "attached tenants", s.tenants)
+        yield counter("calls", "calls served", s.calls)
+        yield counter("batches", "batches run", s.batches)
+        yield counter("tokens", "tokens served", s.tokens)
+        yield counter("flops", "model FLOPs served (2 per multiply-add)", s.flops)
+        yield counter("errors", "calls that failed", s.errors)
+        yield counter("refused", "calls answered RETRY_LATER", s.refused)
+        yield gauge("queued_calls", "calls in the queues now", s.queued_calls)
+        yield gauge("queued_tokens", "tokens in the queues now", s.queued_tokens)
+        yield gauge("mailbox_bytes", "tenant mailboxes not yet freed", s.mailbox_bytes)
+        yield gauge("gpu_allocated_bytes", "the executor's GPU memory, torch's allocator", s.gpu_allocated_bytes)
+        yield gauge("host_private_bytes", "the executor's private host memory", s.rss_anon_bytes)
+        batches = CounterMetricFamily("symbiont_class_batches", "batches by class and calls per batch",
+                                      labels=["latency", "calls_per_batch"])
+        wait = GaugeMetricFamily("symbiont_class_wait_us", "queue wait over a class's last 4096 calls",
+                                 labels=["latency", "quantile"])
+        calls = CounterMetricFamily("symbiont_class_calls", "calls by class", labels=["latency"])
+        for c in s.classes:
+            name = CLASS_NAMES.get(c.latency, str(c.latency))
+            calls.add_metric([name], c.calls)
+            for bucket, n in zip(BUCKETS, c.batch_calls):
+                batches.add_metric([name, bucket], n)
+            wait.add_metric([name, "0.5"], c.wait_p50_us)
+            wait.add_metric([name, "0.99"], c.wait_p99_us)
+        yield calls
+        yield batches
+        yield wait
+        tenant_calls = CounterMetricFamily("symbiont_tenant_calls", "calls served per tenant", labels=["tenant", "name", "placement"])
+        tenant_mb = GaugeMetricFamily("symbiont_tenant_mailbox_bytes", "mailbox per tenant", labels=["tenant", "name", "placement"])
+        for t in s.tenant_stats:
+            labels = [str(t.tenant_id), t.name, t.placement]
+            tenant_calls.add_metric(labels, t.calls)
+            tenant_mb.add_metric(labels, t.mailbox_bytes)
+        yield tenant_calls
+        yield tenant_mb
+
+
+def serve_metrics(port: int, read) -> None:
+    """Starts the Prometheus endpoint on `port` (a daemon thread) with the figures `read()` returns."""
+    try:
+        from prometheus_client import start_http_server
+        from prometheus_client.core import CollectorRegistry
+    except ImportError as e:
+        raise SystemExit(f"--metrics-port needs the prometheus-client package (pip install prometheus-client): {e}") from None
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(read))
+    start_http_server(port, registry=registry)

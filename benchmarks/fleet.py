@@ -1,0 +1,177 @@
+"""What the many-tenant runners (S2-S5) share: start an executor, start a fleet of tenant processes
+(benchmarks/fleet_worker.py), release them together, collect their results, sample the GPU's
+memory while they run, and turn their timestamps into throughput and latency figures.
+
+Each fleet is timed over one window: every worker warms up, says ready, and is told `go` with a
+common start; it works until the window ends. Aggregate throughput is the sum of each worker's own
+rate (its tokens over its own elapsed time from the start), so no worker's tail counts alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+WORKER = str(REPO / "benchmarks" / "fleet_worker.py")
+
+
+def start_executor(model: str, device: str, *flags: str, log_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    from symbiont import wait_for_executor
+
+    url = f"local://fleet-{uuid.uuid4().hex[:8]}"
+    log = open(log_dir / f"executor_{url.split('//')[1]}.log", "wb")
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url,
+           "--device", device, "--dtype", "bfloat16", *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    wait_for_executor(url, 600, proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class GpuMemory:
+    """Samples the GPU's used memory (nvidia-smi, every `period` s) while a fleet runs: its maximum."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                self.samples.append(int(out.strip().splitlines()[0]) * 2**20)
+            except Exception:
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+
+def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900) -> tuple[list[dict], int, int]:
+    """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
+    to all with one start time, and returns (their results, the GPU's used memory before they
+    started, its peak while they worked)."""
+    base = GpuMemory()
+    with base:
+        time.sleep(0.6)
+    procs = [subprocess.Popen([sys.executable, WORKER, *w, "--seconds", str(seconds)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO) for w in workers]
+    try:
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            line = p.stdout.readline()
+            while line and line.strip() != "ready":
+                line = p.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                raise RuntimeError(f"a worker never got ready (exit code {p.poll()})")
+        with GpuMemory() as mem:
+            start = time.time() + 0.2
+            for p in procs:
+                p.stdin.write(f"go {start!r}\n")
+                p.stdin.flush()
+            results = []
+            for p in procs:
+                for line in p.stdout:
+                    if line.startswith("result "):
+                        results.append(json.loads(line[len("result "):]))
+                        break
+                p.wait(timeout_s)
+        if len(results) != len(procs):
+            raise RuntimeError(f"{len(procs) - len(results)} workers gave no result")
+        return results, base.peak, mem.peak
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def finetune_figures(results: list[dict]) -> dict:
+    """Aggregate tokens/s (each worker's own rate, summed) and step times p50/p99."""
+    rates, steps = [], []
+    for r in results:
+        ends = r["ends"]
+        rates.append(len(ends) * r["tokens_per_step"] / (ends[-1] - r["start"]))
+        steps += [b - a for a, b in zip([r["start"], *ends[:-1]], ends)]
+    return {"tokens_per_s": sum(rates), "step_p50_ms": 1e3 * pct(steps, 0.5), "step_p99_ms": 1e3 * pct(steps, 0.99),
+            "steps": len(steps)}
+
+
+def infer_figures(results: list[dict]) -> dict:
+    """Aggregate generated tokens/s and inter-token latency p50/p99 (the first token, which ends
+    the prefill, is left out of the latencies)."""
+    rates, gaps = [], []
+    for r in results:
+        runs = r["runs"]
+        tokens = sum(len(run) - 1 for run in runs) * r["rows"]
+        rates.append(tokens / (runs[-1][-1] - r["start"]))
+        for run in runs:
+            gaps += [b - a for a, b in zip(run[1:-1], run[2:])]
+    return {"tokens_per_s": sum(rates), "itl_p50_ms": 1e3 * pct(gaps, 0.5), "itl_p99_ms": 1e3 * pct(gaps, 0.99),
+            "runs": sum(len(r["runs"]) for r in results)}
+
+
+def executor_stats(url: str) -> dict:
+    """The executor's counters now (symbiont.base_executor's StatsReply as a dict)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from symbiont import connect
+
+    with connect(url) as conn:
+        return MessageToDict(conn.stats(), preserving_proto_field_name=True)
+
+
+def batch_share(before: dict, after: dict) -> dict:
+    """Calls per batch over a window, from two stats snapshots."""
+    d = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("calls", "batches", "tokens", "native_calls", "graph_replays")}
+    d["calls_per_batch"] = d["calls"] / d["batches"] if d["batches"] else float("nan")
+    cls_before = {c.get("latency", "TRAINING"): c for c in before.get("classes", [])}
+    for c in after.get("classes", []):
+        name = c.get("latency", "TRAINING")
+        b = cls_before.get(name, {})
+        hist = [int(x) - int(y) for x, y in zip(c.get("batch_calls", []), b.get("batch_calls", [0] * 99))]
+        d[f"{name.lower()}_batch_calls"] = hist
+        d[f"{name.lower()}_wait_p50_us"] = c.get("wait_p50_us")
+        d[f"{name.lower()}_wait_p99_us"] = c.get("wait_p99_us")
+    return d
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mps_running() -> bool:
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))

@@ -1,0 +1,187 @@
+"""One tenant of a many-tenant benchmark (S2-S5): a plain HF + PEFT process or a symbiont tenant.
+
+    python benchmarks/fleet_worker.py --mode plain|symbiont --role finetune|infer|infer-mixed ...
+
+It builds its model (plain: the built-in config with random weights made on the device; symbiont:
+`connect(url).model(device=...)`, no checkpoint), wraps it in LoRA, warms up, prints `ready`, waits
+for `go` on stdin, then works until `--seconds` have passed and prints one JSON line:
+
+- finetune: LoRA steps of `--batch` x `--seq` random tokens with AdamW; the end time of every step.
+- infer: greedy `generate` of `--new-tokens` after a `--prompt`-token prompt at batch 1, again and
+  again; the time of every generated token (a logits processor sees each step).
+- infer-mixed: one process generating for `--adapters` tenants at once, each row its own adapter
+  (PEFT mixed-adapter batching): the baseline of S3 beside N processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RANKS = (8, 16, 32, 64)
+
+
+class StepClock:
+    """A logits processor that notes when each generated token's step ends (generate syncs the
+    host on every token for its stopping check, so the host time is the GPU's too)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def build(a):
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(a.device)
+    if a.mode == "plain":
+        from symbiont.base_executor.models import BUILTINS
+
+        config = BUILTINS[a.model].config()
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(a.seed)
+        with device:  # random weights made on the device (their values do not change speed)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), None
+    from symbiont import connect
+
+    conn = connect(a.url, name=f"{a.role}-{a.index}")  # (calls under no_grad go in the inference class)
+    return conn.model(device=device, attn_implementation="sdpa"), conn
+
+
+def lora(model, rank: int, targets: list[str], name: str = "default", into=None):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+    if into is not None:
+        into.add_adapter(name, config)
+        return into
+    return get_peft_model(model, config, adapter_name=name)
+
+
+def finetune(a, model, deadline_of) -> dict:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(a.device) for _ in range(4)]
+
+    def step(i):
+        x = batches[i % len(batches)]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(a.warmup):
+        step(i)
+    torch.cuda.synchronize() if "cuda" in a.device else None
+    start, deadline = deadline_of()
+    ends = []
+    i = 0
+    while True:
+        step(i)
+        i += 1
+        if "cuda" in a.device:
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+        if ends[-1] >= deadline:
+            break
+    return {"start": start, "ends": ends, "tokens_per_step": a.batch * a.seq}
+
+
+def infer(a, model, deadline_of, rows: int = 1, adapter_names=None) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(1, vocab, (rows, a.prompt), generator=g).to(a.device)
+    kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+    if adapter_names is not None:
+        kw["adapter_names"] = adapter_names
+
+    def one():
+        clock = StepClock()
+        with torch.no_grad():
+            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), logits_processor=[clock], **kw)
+        return clock.times
+
+    for _ in range(a.warmup):
+        one()
+    start, deadline = deadline_of()
+    runs = []
+    while True:
+        t0 = time.perf_counter()
+        times = one()
+        runs.append([t0, *times])
+        if times[-1] >= deadline:
+            break
+    return {"start": start, "runs": runs, "rows": rows}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["plain", "symbiont"], required=True)
+    p.add_argument("--role", choices=["finetune", "infer", "infer-mixed"], required=True)
+    p.add_argument("--url", default="")
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--index", type=int, default=0, help="this tenant's number: picks its rank (8/16/32/64 cycling)")
+    p.add_argument("--targets", default="q_proj,v_proj")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=1, help="infer-mixed: how many adapters (rows) one process serves")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+
+    model, conn = build(a)
+    targets = a.targets.split(",")
+    names = None
+    if a.role == "infer-mixed":
+        names = [f"a{i}" for i in range(a.adapters)]
+        model = lora(model, RANKS[0], targets, names[0])
+        for i, n in enumerate(names[1:], start=1):
+            lora(model, RANKS[i % len(RANKS)], targets, n, into=model)
+    else:
+        model = lora(model, RANKS[a.index % len(RANKS)], targets)
+    if a.role == "finetune":
+        model.train()
+    else:
+        model.eval()
+
+    def deadline_of():
+        """After warm-up: says ready, waits for go; the shared start and the deadline."""
+        print("ready", flush=True)
+        line = sys.stdin.readline().split()
+        assert line and line[0] == "go", line
+        start = float(line[1])  # the parent's perf_counter is not ours: it sends the wall clock
+        now_wall, now = time.time(), time.perf_counter()
+        start_local = now - (now_wall - start)
+        return start_local, start_local + a.seconds
+
+    if a.role == "finetune":
+        out = finetune(a, model, deadline_of)
+    elif a.role == "infer":
+        out = infer(a, model, deadline_of)
+    else:
+        out = infer(a, model, deadline_of, rows=a.adapters, adapter_names=names)
+    if "cuda" in a.device:
+        out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)
+        out["max_reserved"] = torch.cuda.max_memory_reserved(a.device)
+    out.update(role=a.role, mode=a.mode, index=a.index)
+    print("result " + json.dumps(out), flush=True)
+    if conn is not None:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

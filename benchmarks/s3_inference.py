@@ -1,0 +1,86 @@
+"""S3: N inference tenants on one executor against N independent HF + PEFT processes, and against one
+process generating for all N with PEFT mixed-adapter batching (one GPU, MPS).
+
+    python benchmarks/s3_inference.py --model llama-1b --ns 1,4,16,32,64 [--max-processes 16]
+        [--policies opportunistic,lockstep,no-lockstep] [--seconds 20]
+
+Each tenant has its own LoRA (q, k, v, o; ranks cycling 8/16/32/64) and generates greedily, batch 1,
+`--new-tokens` after a `--prompt`-token prompt, again and again. Figures: aggregate generated
+tokens/s, inter-token latency p50/p99 (every token after the first). Tenants build their models
+with `connect(url).model(device=...)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import fleet
+from s2_finetune import plot
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--ns", default="1,4,16")
+    p.add_argument("--max-processes", type=int, default=16)
+    p.add_argument("--mixed", default="", help="N values at which to run the one-process mixed-adapter baseline (default: --ns)")
+    p.add_argument("--policies", default="opportunistic")
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
+    p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    a = p.parse_args()
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ns = [int(n) for n in a.ns.split(",")]
+    mixed = [int(n) for n in a.mixed.split(",")] if a.mixed else ns
+    common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
+              "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj"]
+    rows = []
+    print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
+    for n in ns:
+        if n <= a.max_processes:
+            res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)], a.seconds)
+            rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
+            print(json.dumps(rows[-1]), flush=True)
+        if n in mixed:
+            res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
+            rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
+            print(json.dumps(rows[-1]), flush=True)
+    for policy in a.policies.split(","):
+        proc, url = fleet.start_executor(a.model, a.device, "--policy", policy, *a.serve_args.split(), log_dir=out)
+        try:
+            for n in ns:
+                before = fleet.executor_stats(url)
+                workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
+                res, base, peak = fleet.run_fleet(workers, a.seconds)
+                after = fleet.executor_stats(url)
+                rows.append({"k": n, "who": f"symbiont {policy}", **fleet.infer_figures(res),
+                             "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
+                             "batches": fleet.batch_share(before, after)})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            fleet.stop(proc)
+    print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
+    print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}")
+    for r in rows:
+        cpb = r.get("batches", {}).get("calls_per_batch")
+        print(f"{r['k']:>3} {r['who']:<28} {r['tokens_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
+              f"{r['gpu_used'] / 1e9:>7.1f} {'' if cpb is None else f'{cpb:.2f}':>11}")
+    path = out / f"s3_{a.model}_{a.tag}.json"
+    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    plot(rows, out / f"s3_{a.model}_{a.tag}.png", f"S3 inference, {a.model}", y2="itl_p99_ms",
+         labels=("aggregate tokens/s", "inter-token latency p99, ms"))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
