@@ -1,0 +1,84 @@
+"""Quotas and admission end to end: a real executor with per-tenant limits answers a greedy tenant
+RETRY_LATER (a typed RetryLaterError with a hint) while a well-behaved tenant carries on with exact
+results; a saturated executor refuses a call too large for its queues and the tenant's model stays
+usable. Also the provider's live view: `base-executor stats URL` and the Prometheus endpoint."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from symbiont import RetryLaterError, connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont.client.errors import error_for_status
+from symbiont.proto import executor_pb2 as pb
+from tests.conftest import REPO, running_executor
+from tests.models import ids
+from tests.test_errors import EXACT, MODEL, WellBehavedTenant, attached, push_raw, q_call_fields, stats, wait_reply
+
+QUOTA = 4
+
+
+def test_tenant_over_its_quota_gets_retry_later_and_the_others_carry_on():
+    # a long wait keeps the greedy tenant's first calls queued while the rest of its burst arrives
+    with running_executor(MODEL, EXACT, "--max-tenant-calls", str(QUOTA), "--max-wait-us", "200000") as ex:
+        with WellBehavedTenant(ex) as good, attached(ex, "greedy") as greedy:
+            tr = greedy.transport
+            reqs = [pb.CallRequest(call_id=1000 + i, **q_call_fields()) for i in range(5 * QUOTA)]
+            for r in reqs:  # one burst: the executor drains it in one go
+                assert tr._box.requests.push(r.SerializeToString())
+            tr._wake.ring()
+            got = {}
+            while len(got) < len(reqs):  # (refusals come back before the batch runs: any order)
+                reply = wait_reply(tr, {r.call_id for r in reqs} - set(got))
+                got[reply.call_id] = reply
+            replies = [got[r.call_id] for r in reqs]
+            codes = [r.status.code for r in replies]
+            assert codes.count(pb.OK) >= QUOTA, codes
+            refused = [r for r in replies if r.status.code == pb.RETRY_LATER]
+            assert len(refused) >= 5 * QUOTA - QUOTA - 1, codes  # (one may have run before the last arrived)
+            err = error_for_status(refused[0].status)
+            assert isinstance(err, RetryLaterError) and err.retry_after_s > 0 and "quota" in str(err)
+            good.carries_on(5)
+            s = stats(greedy)
+            mine = next(t for t in s.tenant_stats if t.name == "greedy")
+            assert mine.refused == len(refused) and s.refused == len(refused)
+            assert sum(c.refused for c in s.classes) == len(refused)
+            push_raw(tr, pb.CallRequest(call_id=1, **q_call_fields()).SerializeToString())  # served again
+            assert wait_reply(tr, {1}).status.code == pb.OK
+
+
+def test_saturated_executor_refuses_with_a_hint_and_the_model_stays_usable():
+    with running_executor(MODEL, "--max-queued-tokens", "8") as ex, connect(ex.url) as conn:
+        model = virtualize(build_builtin(MODEL), conn)
+        ref = build_builtin(MODEL)
+        with torch.no_grad(), pytest.raises(RetryLaterError, match="saturated") as e:
+            model(ids(1, 16))  # 16 tokens never fit queues of 8
+        assert 0 < e.value.retry_after_s <= 1.0
+        x = ids(1, 6)
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, ref(x).logits)
+
+
+def test_stats_command_and_prometheus_endpoint():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with running_executor(MODEL, "--metrics-port", str(port)) as ex, connect(ex.url, name="stats-tenant") as conn:
+        model = virtualize(build_builtin(MODEL), conn)
+        with torch.no_grad():
+            model(ids(2, 8))
+        out = subprocess.run([sys.executable, "-m", "symbiont.base_executor.cli", "stats", ex.url],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert "policy opportunistic" in out.stdout and "stats-tenant" in out.stdout and "calls/s" in out.stdout
+        assert "inference" in out.stdout and "training" in out.stdout
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        calls = next(float(line.split()[-1]) for line in body.splitlines() if line.startswith("symbiont_calls_total"))
+        assert calls == conn.stats().calls == 8  # embedding, 2 x (q/k/v, o, MLP), lm_head
+        assert 'symbiont_class_batches_total{calls_per_batch="1",latency="inference"}' in body
+        assert 'symbiont_tenant_calls_total{name="stats-tenant"' in body
