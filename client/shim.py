@@ -183,7 +183,8 @@ class UnitRef:
         return tuple(shape[:-1]) + ((self._d_in,) if op == pb.BACKWARD else (self._d_out,))
 
     def _remote(self, x: torch.Tensor, op: int, take=None):
-        latency = pb.TRAINING if torch.is_grad_enabled() or op == pb.BACKWARD else pb.INFERENCE
+        # (inside an autograd.Function's forward grad mode is off, but x still requires grad)
+        latency = pb.TRAINING if torch.is_grad_enabled() or x.requires_grad or op == pb.BACKWARD else pb.INFERENCE
         if op == pb.BACKWARD:  # (a fused group's too)
             confirm_when_backward_ends(self.transport)
         return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency, take)

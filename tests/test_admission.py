@@ -82,3 +82,24 @@ def test_stats_command_and_prometheus_endpoint():
         assert calls == conn.stats().calls == 8  # embedding, 2 x (q/k/v, o, MLP), lm_head
         assert 'symbiont_class_batches_total{calls_per_batch="1",latency="inference"}' in body
         assert 'symbiont_tenant_calls_total{name="stats-tenant"' in body
+
+
+def test_a_training_steps_calls_are_training_and_no_grad_calls_inference(executor):
+    """The class decides waits and priority: a training forward runs inside autograd Functions
+    (grad mode off there) and must still be TRAINING; a no_grad forward is INFERENCE."""
+    from tests.models import lora_model
+
+    def by_class(conn):
+        return {c.latency: c.calls for c in conn.stats().classes}
+
+    with connect(executor.url) as conn:
+        model = virtualize(lora_model(MODEL), conn)
+        x = ids(2, 8)
+        before = by_class(conn)
+        model(input_ids=x, labels=x).loss.backward()
+        after = by_class(conn)
+        assert after[pb.INFERENCE] == before[pb.INFERENCE] and after[pb.TRAINING] > before[pb.TRAINING]
+        with torch.no_grad():
+            model(input_ids=x)
+        last = by_class(conn)
+        assert last[pb.TRAINING] == after[pb.TRAINING] and last[pb.INFERENCE] - after[pb.INFERENCE] == 8
