@@ -2,7 +2,7 @@
 per tenant, as the issue describes), the tenant sends x and receives y back, nothing else (no
 GEMM, no protocol). Compare with S6's `peer-gpu` row (CUDA IPC + peer copy, a whole call).
 
-    python benchmarks/s6_nccl.py [--iters 2000]      # needs two GPUs
+    python benchmarks/probes/s6_nccl.py [--iters 2000]      # needs two GPUs
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository root
 HIDDEN = 2048
 TOKENS = (1, 16, 1024, 4096)
 

@@ -3,10 +3,10 @@ a tenant's cuda:1 and memory that another process allocated on cuda:0 and shared
 with peer access enabled one way (A), both ways (B), the mapping opened in cuda:1's context (C),
 or nothing (none). Each variant runs in a fresh process.
 
-    python benchmarks/peer_copy_access.py
+    python benchmarks/probes/peer_copy_access.py
 """
 import ctypes, subprocess, sys, time
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))  # the repository root
 import torch
 from symbiont.proto import cuda_ipc as ci
 

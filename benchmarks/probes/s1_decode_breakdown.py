@@ -2,7 +2,7 @@
 (same-GPU calls in one native call, and the same tenant with each call's steps made from Python),
 side by side, one token at a time with a KV cache, bf16.
 
-    python benchmarks/s1_decode_breakdown.py --model llama-1b [--tokens 32] [--reps 4] [--out DIR]
+    python benchmarks/probes/s1_decode_breakdown.py --model llama-1b [--tokens 32] [--reps 4] [--out DIR]
 
 Per token: the wall time (forward, argmax, synchronise); the host time of the forward (the
 tenant's includes confirming its calls at the end); of that, the time inside the transport's
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository root
 sys.path.insert(0, str(REPO))
 
 COLUMNS = ("token", "forward host", "in calls", "in confirm", "sync wait")

@@ -10,7 +10,7 @@ plain torch op for scale. The whole call is timed twice: with the native extensi
 it switched off (ctypes for the driver calls). Medians of host time; the GPU is synchronised only
 between rounds.
 
-    python benchmarks/s6_call_pieces.py [--calls 2000]
+    python benchmarks/probes/s6_call_pieces.py [--calls 2000]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for s6_transport
 from s6_transport import HIDDEN, UNIT, make_model, serve  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Host time of single torch calls an executor or tenant makes per remote call (GPU): medians of
 50 back-to-back launches, synchronised between batches. Explains where a same-GPU call's
-microseconds go (benchmarks/RESULTS.md, S1 run 3). Run: python3 benchmarks/host_costs.py"""
+microseconds go (benchmarks/RESULTS.md, S1 run 3). Run: python3 benchmarks/probes/host_costs.py"""
 import pathlib
 import sys
 import time
@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from symbiont.proto.cuda_ipc import DeviceRegion  # noqa: E402
 
 

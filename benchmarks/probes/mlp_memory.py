@@ -4,7 +4,7 @@ through autograd), and what an unsplit block keeps between its forward and its b
 a tenant with whole-MLP calls does not keep (it keeps the block's input only). bf16, one layer of
 the model's shape, on a GPU.
 
-    python benchmarks/mlp_memory.py [--models llama-1b llama-8b] [--tokens 1024 2048]
+    python benchmarks/probes/mlp_memory.py [--models llama-1b llama-8b] [--tokens 1024 2048]
 
 Prints a table (MiB and intermediate widths per token) and writes mlp_memory.json to --out.
 """
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository root
 sys.path.insert(0, str(REPO))
 
 

@@ -2,7 +2,7 @@
 region, and nothing else of symbiont (no protobuf, no scheduler). Each mode adds one piece of
 the real call path, so the table says what each piece costs.
 
-    python benchmarks/s6_pingpong.py [--tokens 1] [--iters 3000]
+    python benchmarks/probes/s6_pingpong.py [--tokens 1] [--iters 3000]
 
 Modes (the tenant times each iteration to its result being usable):
   bells        ring the executor, wait for its ring back (no GPU work)
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]  # benchmarks/probes/ -> the repository root
 sys.path.insert(0, str(REPO))
 
 HIDDEN = 2048
