@@ -61,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=args.graph_tokens, native_serve=not args.no_native_serve,
+        solo_tokens=args.solo_tokens,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")
     s.add_argument("--no-native-serve", action="store_true", help="same GPU: serve every call from Python (by default "
                    "a lone tenant's calls that repeat one already run as a CUDA graph are served natively, no Python per call)")
+    s.add_argument("--solo-tokens", type=int, default=256, help="same GPU: a call of at least this many tokens runs at "
+                   "once on its tenant's own stream, never waiting for a batch (its GEMM gains little from one; the "
+                   "tenants' streams overlap on the GPU); 0: only a lone tenant's calls do")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

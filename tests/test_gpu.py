@@ -723,3 +723,36 @@ def test_same_gpu_tenant_from_the_skeleton_holds_no_unit_weights():
         x = ids(2, 13).cuda()
         with torch.no_grad():
             torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_big_calls_of_tenants_that_could_batch_run_on_their_own_streams():
+    """Two same-GPU tenants whose calls could always be joined (a 10 s batching wait): calls of at
+    least --solo-tokens tokens are taken at once on each tenant's own stream (graph replays, the
+    native lane), bitwise what they get when every call goes through the batching queues."""
+    from symbiont import connect
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x = ids(2, 160).cuda()  # 320 tokens a call
+    got, stats = {}, {}
+    for solo in ("256", "0"):
+        with running_executor("tiny-llama", "--device", "cuda:0", "--max-wait-us", "10000000", "--solo-tokens", solo,
+                              "--exact") as ex:
+            a, b = connect(ex.url), connect(ex.url)
+            ma = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), a)
+            mb = virtualize(build_builtin("tiny-llama").cuda(), b)
+            out = []
+            for _ in range(4):
+                with torch.no_grad():
+                    out.append(mb(x).logits)
+                ma.zero_grad()
+                ma(input_ids=x, labels=x).loss.backward()
+                out += list(lora_grads(ma).values())
+            a.transport.confirm()
+            b.transport.confirm()
+            got[solo], stats[solo] = out, a.stats()
+            a.close()
+            b.close()
+    assert stats["256"].native_calls + stats["256"].graph_replays > stats["256"].calls // 2, stats["256"]
+    assert stats["0"].native_calls == 0
+    for p, q in zip(got["256"], got["0"]):
+        assert torch.equal(p, q)

@@ -54,6 +54,7 @@ class Areas:
     own_graphs: "object | None" = None  # ... and on `stream`
     lane: "object | None" = None  # proto._stream_ops.ServeLane: serves repeats of own_graphs' calls natively
     lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
+    lane_small: bool = False  # the lane knows a call of fewer than solo_tokens tokens (LocalServer._learn)
     lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
 
     @property

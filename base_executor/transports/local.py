@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -71,9 +72,15 @@ class LocalServerConfig:
     native_serve: bool = True
     """Whether a lone same-GPU tenant's calls that repeat one already run as a CUDA graph on its own
     stream are served natively (proto._stream_ops.ServeLane: no Python per call)."""
+    solo_tokens: int = 256
+    """A same-GPU call of at least this many tokens is taken at once on its tenant's own stream, as
+    a lone tenant's is, even while others could join it: batching gains a GEMM this big little, and
+    the tenants' streams then overlap on the GPU with no host round trip (0: only lone tenants')."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
+        if self.solo_tokens < 0:
+            raise ValueError(f"solo_tokens must be >= 0 (0: off), got {self.solo_tokens}")
         if self.graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0 (0: no graphs), got {self.graph_tokens}")
         if not 0 < self.mailbox_bytes <= self.max_mailbox_bytes:
@@ -206,7 +213,7 @@ class LocalServer(LocalControl, LocalCalls):
         in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
-            if t.areas.lane is not None and t.held is None and not stopping and self._alone(t):
+            if t.areas.lane is not None and t.held is None and not stopping and self._lane_may_serve(t):
                 n += self._serve_lane(t)  # up to the first call it does not know, which we take next
             if t.held is not None:
                 req, since = t.held
@@ -260,7 +267,8 @@ class LocalServer(LocalControl, LocalCalls):
     def _run_waiting(self, t: Tenant, req: pb.CallRequest) -> bool:
         """Runs a same-GPU call at once on t's own stream, behind a GPU wait for its input word
         (which passes at once when the copy is done), when nothing would join it in a batch anyway
-        (every other tenant already has a call in). The host never waits for the tenant's GPU
+        (every other tenant already has a call in), or when it is too big to gain from a batch
+        (`solo_tokens`) and no earlier call of t is queued. The host never waits for the tenant's GPU
         work, and a tenant whose copy never ends stalls only its own stream. A call run as a graph
         replay there teaches t's native lane its header (_learn). False when the call must go
         the scheduler's way instead (held first while its input is not in)."""
@@ -270,7 +278,7 @@ class LocalServer(LocalControl, LocalCalls):
         unit = self.core.table.get(req.unit)
         if unit is None or unit.kind == "embedding":  # its ids are checked on the host
             return False
-        if not self._alone(t):
+        if not (self._alone(t) or self._solo(t, req)):
             return False
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
@@ -318,6 +326,21 @@ class LocalServer(LocalControl, LocalCalls):
             # CUDA call of ours, run meanwhile, would wait forever)
             return False
         return not any(self._may_join(o, t) for o in self.tenants.values())
+
+    def _lane_may_serve(self, t: Tenant) -> bool:
+        """Whether t's native lane may serve now: while t is alone, or at any time when every call
+        the lane knows is a solo call (_solo) and no earlier call of t is queued."""
+        if t.areas.lane_small:
+            return self._alone(t)
+        return bool(self.config.solo_tokens) and not self.core.scheduler.waiting(t.id)
+
+    def _solo(self, t: Tenant, req: pb.CallRequest) -> bool:
+        """Whether t's call is big enough to run on its own stream whoever else could join it (and
+        no earlier call of t is queued: see _alone)."""
+        solo = self.config.solo_tokens
+        if not solo or self.core.scheduler.waiting(t.id) or len(req.shape) < 2:
+            return False
+        return math.prod(req.shape[:-1]) >= solo
 
     def _may_join(self, o: Tenant, t: Tenant) -> bool:
         """Whether tenant o may send a call soon enough to share a batch with t's: it has none in,

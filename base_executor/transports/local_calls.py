@@ -120,6 +120,8 @@ class LocalCalls:
         areas.lane_keys[call.graph_key] = header
         areas.lane.learn(header, int(graph.raw_cuda_graph_exec()), reply.SerializeToString(), len(areas.lane_units))
         areas.lane_units.append((call.unit, call.op, call.tokens, call.latency, t.id))
+        if call.tokens < self.config.solo_tokens or not self.config.solo_tokens:
+            areas.lane_small = True  # it knows a call others could join: it serves only while t is alone
 
     def _unlearn(self, areas, key) -> None:
         header = areas.lane_keys.pop(key, None)
