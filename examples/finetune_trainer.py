@@ -100,10 +100,13 @@ def finetune(url: str, steps: int, out_dir: str) -> None:
                       data_collator=default_data_collator)
     t0 = time.monotonic()
     result = trainer.train()
-    print(f"trained {steps} steps in {time.monotonic() - t0:.0f} s, final loss {trainer.state.log_history[-2]['loss']:.3f}"
-          f" (mean over the run {result.training_loss:.3f})", flush=True)
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    print(f"trained {steps} steps in {time.monotonic() - t0:.0f} s: loss {losses[0]:.3f} at first, {losses[-1]:.3f} at the end"
+          f" (mean {result.training_loss:.3f})", flush=True)
 
-    model.save_pretrained(out_dir)  # the adapter only: the base model is the executor's
+    # the adapter only (the base model is the executor's); save_embedding_layers=False skips PEFT's
+    # look-up of the base checkpoint's config, which is not on this side
+    model.save_pretrained(out_dir, save_embedding_layers=False)
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir) if f.endswith(".safetensors"))
     print(f"adapter saved to {out_dir} ({size / 2**20:.1f} MiB)", flush=True)
 
