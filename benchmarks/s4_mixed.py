@@ -1,0 +1,72 @@
+"""S4: a mixed fleet — 6 inference + 2 fine-tuning tenants — against 8 inference tenants, on one
+executor (one GPU, MPS). Inference inter-token latency should stay within 1.15x of the
+inference-only fleet's while the total throughput (generated + trained tokens) rises. With several
+`--policies` it is also S5's mixed case (opportunistic against lockstep and no-lockstep).
+
+    python benchmarks/s4_mixed.py --model llama-1b [--policies opportunistic,lockstep,no-lockstep] [--seconds 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import fleet
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--inference", type=int, default=6)
+    p.add_argument("--finetune", type=int, default=2)
+    p.add_argument("--policies", default="opportunistic")
+    p.add_argument("--serve-args", default="")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
+    p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    a = p.parse_args()
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    infer = ["--role", "infer", "--model", a.model, "--device", a.device, "--warmup", "1", "--targets",
+             "q_proj,k_proj,v_proj,o_proj"]
+    train = ["--role", "finetune", "--model", a.model, "--device", a.device, "--warmup", "2"]
+    total = a.inference + a.finetune
+    rows = []
+    for policy in a.policies.split(","):
+        proc, url = fleet.start_executor(a.model, a.device, "--policy", policy, *a.serve_args.split(), log_dir=out)
+        try:
+            for name, fleet_args in (
+                (f"{total} inference", [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(total)]),
+                (f"{a.inference} inference + {a.finetune} fine-tuning",
+                 [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
+                 + [["--mode", "symbiont", "--url", url, "--index", str(i), *train] for i in range(a.finetune)]),
+            ):
+                before = fleet.executor_stats(url)
+                res, base, peak = fleet.run_fleet(fleet_args, a.seconds)
+                after = fleet.executor_stats(url)
+                inf = fleet.infer_figures([r for r in res if r["role"] == "infer"])
+                ft = [r for r in res if r["role"] == "finetune"]
+                rows.append({"policy": policy, "fleet": name, "generated_per_s": inf["tokens_per_s"],
+                             "itl_p50_ms": inf["itl_p50_ms"], "itl_p99_ms": inf["itl_p99_ms"],
+                             "trained_per_s": fleet.finetune_figures(ft)["tokens_per_s"] if ft else 0.0,
+                             "batches": fleet.batch_share(before, after)})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            fleet.stop(proc)
+    print(f"\nS4 {a.model}: {total} inference tenants against {a.inference} inference + {a.finetune} fine-tuning, "
+          f"{a.seconds:.0f} s windows")
+    print(f"{'policy':<14} {'fleet':<32} {'gen tok/s':>9} {'ITL p50':>8} {'p99':>7} {'trained tok/s':>13} {'calls/batch':>11}")
+    for r in rows:
+        print(f"{r['policy']:<14} {r['fleet']:<32} {r['generated_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
+              f"{r['trained_per_s']:>13.0f} {r['batches']['calls_per_batch']:>11.2f}")
+    path = out / f"s4_{a.model}_{a.tag}.json"
+    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
