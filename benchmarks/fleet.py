@@ -169,6 +169,13 @@ def batch_share(before: dict, after: dict) -> dict:
     return d
 
 
+def py_spy(pid: int, seconds: float, path: pathlib.Path) -> subprocess.Popen:
+    """Samples process `pid` with py-spy (idle frames included) into `path` (collapsed stacks)."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--duration", str(max(1, int(seconds))),
+                             "--idle", "--nonblocking", "--format", "raw", "--output", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -56,19 +55,15 @@ def main() -> int:
         try:
             for k in ks:
                 before = fleet.executor_stats(url)
-                spy = None
-                if a.py_spy == k:
-                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "250", "--duration",
-                                            str(int(a.seconds * 0.6)), "--idle", "--nonblocking", "--format", "raw",
-                                            "--output", str(out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt")],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spy_path = out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt"
+                spy = fleet.py_spy(proc.pid, a.seconds * 0.6, spy_path) if a.py_spy == k else None
                 workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common] for i in range(k)]
                 res, base, peak = fleet.run_fleet(workers, a.seconds)
                 after = fleet.executor_stats(url)
                 if spy is not None:
                     spy.wait()
                     from s6_profile import top_frames
-                    print(top_frames(out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt", fleet.REPO), flush=True)
+                    print(top_frames(spy_path, fleet.REPO), flush=True)
                 # the executor's memory is in `base` (started before the fleet): count it once
                 rows.append({"k": k, "who": f"symbiont {policy}", **fleet.finetune_figures(res),
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),

@@ -34,6 +34,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor with py-spy (pip install py-spy)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -60,8 +61,14 @@ def main() -> int:
             for n in ns:
                 before = fleet.executor_stats(url)
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
+                spy_path = out / f"s3_{a.model}_n{n}_{policy}_executor_pyspy.txt"
+                spy = fleet.py_spy(proc.pid, a.seconds * 0.6, spy_path) if a.py_spy == n else None
                 res, base, peak = fleet.run_fleet(workers, a.seconds)
                 after = fleet.executor_stats(url)
+                if spy is not None:
+                    spy.wait()
+                    from s6_profile import top_frames
+                    print(top_frames(spy_path, fleet.REPO), flush=True)
                 rows.append({"k": n, "who": f"symbiont {policy}", **fleet.infer_figures(res),
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "batches": fleet.batch_share(before, after)})
