@@ -74,10 +74,10 @@ class GpuMemory:
         return max(self.samples, default=0)
 
 
-def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900) -> tuple[list[dict], int, int]:
+def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None) -> tuple[list[dict], int, int]:
     """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
-    to all with one start time, and returns (their results, the GPU's used memory before they
-    started, its peak while they worked)."""
+    to all with one start time (then calls `on_go()`: a profiler of the steady state), and returns
+    (their results, the GPU's used memory before they started, its peak while they worked)."""
     base = GpuMemory()
     with base:
         time.sleep(0.6)
@@ -96,6 +96,8 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900) 
             for p in procs:
                 p.stdin.write(f"go {start!r}\n")
                 p.stdin.flush()
+            if on_go is not None:
+                on_go()
             results = []
             for p in procs:
                 for line in p.stdout:

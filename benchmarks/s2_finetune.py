@@ -56,11 +56,12 @@ def main() -> int:
             for k in ks:
                 before = fleet.executor_stats(url)
                 spy_path = out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt"
-                spy = fleet.py_spy(proc.pid, a.seconds * 0.6, spy_path) if a.py_spy == k else None
+                spies = []
+                on_go = (lambda: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
                 workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common] for i in range(k)]
-                res, base, peak = fleet.run_fleet(workers, a.seconds)
+                res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
-                if spy is not None:
+                for spy in spies:
                     spy.wait()
                     from s6_profile import top_frames
                     print(top_frames(spy_path, fleet.REPO), flush=True)

@@ -62,10 +62,11 @@ def main() -> int:
                 before = fleet.executor_stats(url)
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
                 spy_path = out / f"s3_{a.model}_n{n}_{policy}_executor_pyspy.txt"
-                spy = fleet.py_spy(proc.pid, a.seconds * 0.6, spy_path) if a.py_spy == n else None
-                res, base, peak = fleet.run_fleet(workers, a.seconds)
+                spies = []
+                on_go = (lambda: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == n else None
+                res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
-                if spy is not None:
+                for spy in spies:
                     spy.wait()
                     from s6_profile import top_frames
                     print(top_frames(spy_path, fleet.REPO), flush=True)
