@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--ns", default="1,4,16")
     p.add_argument("--max-processes", type=int, default=16)
-    p.add_argument("--mixed", default="", help="N values at which to run the one-process mixed-adapter baseline (default: --ns)")
+    p.add_argument("--mixed", default="", help="N values at which to run the one-process mixed-adapter baseline (default: --ns; none: never)")
     p.add_argument("--policies", default="opportunistic")
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
@@ -41,7 +41,7 @@ def main() -> int:
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
-    mixed = [int(n) for n in a.mixed.split(",")] if a.mixed else ns
+    mixed = [] if a.mixed == "none" else [int(n) for n in a.mixed.split(",")] if a.mixed else ns
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
               "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj"]
     rows = []
