@@ -23,6 +23,18 @@ sys.path.insert(0, str(REPO))
 WORKER = str(REPO / "benchmarks" / "fleet_worker.py")
 
 
+def executor_variants(a) -> list[tuple[str, list[str]]]:
+    """The executors a runner compares: `--executors "NAME=FLAGS;NAME=FLAGS"` (each started with those
+    serve flags), else one per `--policies` entry with `--serve-args`."""
+    if getattr(a, "executors", ""):
+        out = []
+        for item in a.executors.split(";"):
+            name, _, flags = item.partition("=")
+            out.append((name.strip(), flags.split()))
+        return out
+    return [(p, ["--policy", p, *a.serve_args.split()]) for p in a.policies.split(",")]
+
+
 def start_executor(model: str, device: str, *flags: str, log_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
     from symbiont import wait_for_executor
 

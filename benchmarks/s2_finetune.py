@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--ks", default="1,2,4,8,16")
     p.add_argument("--max-processes", type=int, default=8, help="the most plain processes to run (they must fit)")
     p.add_argument("--policies", default="opportunistic")
+    p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (overrides --policies)')
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=2)
@@ -50,8 +51,8 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--index", str(i), *common] for i in range(k)], a.seconds)
             rows.append({"k": k, "who": "processes", **fleet.finetune_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
-    for policy in a.policies.split(","):
-        proc, url = fleet.start_executor(a.model, a.device, "--policy", policy, *a.serve_args.split(), log_dir=out)
+    for policy, flags in fleet.executor_variants(a):
+        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
         try:
             for k in ks:
                 before = fleet.executor_stats(url)

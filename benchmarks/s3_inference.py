@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--max-processes", type=int, default=16)
     p.add_argument("--mixed", default="", help="N values at which to run the one-process mixed-adapter baseline (default: --ns; none: never)")
     p.add_argument("--policies", default="opportunistic")
+    p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (overrides --policies)')
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=1)
@@ -55,8 +56,8 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
             rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
-    for policy in a.policies.split(","):
-        proc, url = fleet.start_executor(a.model, a.device, "--policy", policy, *a.serve_args.split(), log_dir=out)
+    for policy, flags in fleet.executor_variants(a):
+        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
         try:
             for n in ns:
                 before = fleet.executor_stats(url)

@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--inference", type=int, default=6)
     p.add_argument("--finetune", type=int, default=2)
     p.add_argument("--policies", default="opportunistic")
+    p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (overrides --policies)')
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--device", default="cuda:0")
@@ -35,8 +36,8 @@ def main() -> int:
     train = ["--role", "finetune", "--model", a.model, "--device", a.device, "--warmup", "2"]
     total = a.inference + a.finetune
     rows = []
-    for policy in a.policies.split(","):
-        proc, url = fleet.start_executor(a.model, a.device, "--policy", policy, *a.serve_args.split(), log_dir=out)
+    for policy, flags in fleet.executor_variants(a):
+        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
         try:
             for name, fleet_args in (
                 (f"{total} inference", [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(total)]),
