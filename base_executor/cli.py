@@ -199,9 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")
     s.add_argument("--no-native-serve", action="store_true", help="same GPU: serve every call from Python (by default "
                    "a lone tenant's calls that repeat one already run as a CUDA graph are served natively, no Python per call)")
-    s.add_argument("--solo-tokens", type=int, default=256, help="same GPU: a call of at least this many tokens runs at "
-                   "once on its tenant's own stream, never waiting for a batch (its GEMM gains little from one; the "
-                   "tenants' streams overlap on the GPU); 0: only a lone tenant's calls do")
+    s.add_argument("--solo-tokens", type=int, default=1, help="same GPU: a call of at least this many tokens runs at "
+                   "once on its tenant's own stream, never waiting for a batch (the tenants' streams overlap on the "
+                   "GPU); default 1: every call; N > 1 batches the smaller ones; 0: only a lone tenant's calls run so")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

@@ -72,10 +72,13 @@ class LocalServerConfig:
     native_serve: bool = True
     """Whether a lone same-GPU tenant's calls that repeat one already run as a CUDA graph on its own
     stream are served natively (proto._stream_ops.ServeLane: no Python per call)."""
-    solo_tokens: int = 256
+    solo_tokens: int = 1
     """A same-GPU call of at least this many tokens is taken at once on its tenant's own stream, as
-    a lone tenant's is, even while others could join it: batching gains a GEMM this big little, and
-    the tenants' streams then overlap on the GPU with no host round trip (0: only lone tenants')."""
+    a lone tenant's is, even while others could join it: the tenants' streams then overlap on the
+    GPU with no host round trip (0: only lone tenants'). The default 1 takes every call so: on an
+    H100 with llama-1b, 16 decoding tenants reach 294 tokens/s so against 156 with calls under 256
+    tokens batched in Python (benchmarks/RESULTS.md, S3); a batch only pays once its GEMMs save more
+    GPU time than the batching costs the data loop."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")

@@ -21,7 +21,7 @@ def barrier(folder: str | None, name: str, parties: int) -> None:
     jobs that build their models at different speeds still run their loops at the same time."""
     if not folder:
         return
-    open(os.path.join(folder, name), "w").close()
+    open(os.path.join(folder, name), "w").close()  # (names differ per job)
     deadline = time.monotonic() + 120
     while len(os.listdir(folder)) < parties:
         if time.monotonic() > deadline:
@@ -29,20 +29,40 @@ def barrier(folder: str | None, name: str, parties: int) -> None:
         time.sleep(0.01)
 
 
-def train(url: str, steps: int, sync=lambda: None) -> dict:
-    model = virtualize(lora_model("tiny-llama"), url)
+def gpu_lora_model(url: str, device: str, seed: int):
+    """A same-GPU tenant built from the executor's skeleton, LoRA on q and v with a rank that
+    depends on the seed (8, 16, 32, 64 as in S2) and random A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    from symbiont import connect
+
+    base = connect(url).model(device=device, attn_implementation="eager")
+    rank = 8 << (seed % 4)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                        lora_dropout=0.0)
+    return get_peft_model(base, config)
+
+
+def train(url: str, steps: int, sync=lambda: None, device: str = "cpu", seed: int = 0) -> dict:
+    if device == "cpu":
+        model, seq = virtualize(lora_model("tiny-llama"), url), 8
+    else:
+        model, seq = gpu_lora_model(url, device, seed), 48
     sync()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     losses = []
     for step in range(steps):
-        x = ids(2, 8 + step % 5, seed=100 + step)
+        x = ids(2, seq + step % 5, seed=100 + step + 1000 * seed).to(device)
         opt.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
         losses.append(loss.detach())
     out = {f"param:{n}": p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    out.update({f"grad:{n}": p.grad.detach() for n, p in model.named_parameters() if p.requires_grad})
     out["losses"] = torch.stack(losses)
+    out = {k: v.cpu() for k, v in out.items()}
     return out
 
 
@@ -66,7 +86,9 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
     p.add_argument("--parties", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="train only: cuda:N builds a same-GPU tenant from the skeleton")
+    p.add_argument("--seed", type=int, default=0, help="train on cuda only: the adapter's rank and init, the data")
     a = p.parse_args()
-    sync = lambda: barrier(a.barrier, a.mode, a.parties)  # noqa: E731
-    result = train(a.url, a.n, sync) if a.mode == "train" else generate(a.url, a.n, sync)
+    sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
+    result = train(a.url, a.n, sync, a.device, a.seed) if a.mode == "train" else generate(a.url, a.n, sync)
     torch.save(result, a.out)
