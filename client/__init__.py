@@ -1,6 +1,7 @@
 """symbiont's tenant library: split a Hugging Face model so its frozen layers run in a base executor."""
 from symbiont.client.connection import Connection, connect, parameters_on_meta, wait_for_executor
 from symbiont.client.errors import (
+    AuthenticationError,
     DTypeMismatchError,
     ExecutorUnavailableError,
     InternalError,
@@ -21,4 +22,5 @@ __all__ = [
     "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
     "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
+    "AuthenticationError",
 ]

@@ -21,11 +21,12 @@ class Connection:
     """One tenant identity at one executor. Attaches on first use; close() detaches."""
 
     def __init__(
-        self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None
+        self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
+        token: str | None = None, tls_dir: str | None = None, tenant: str | None = None,
     ):
         self.url = url
-        self.name = name or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
-        self.transport: Transport = open_transport(url)
+        self.name = name or tenant or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
+        self.transport: Transport = open_transport(url, token=token, tls_dir=tls_dir, tenant=tenant)
         if spin_us is not None:
             self.transport.spin_us = spin_us
         self._latency = latency
@@ -155,7 +156,11 @@ def wait_for_executor(url: str, timeout_s: float = 300.0, process=None) -> pb.He
 
 
 def connect(url: str = "local://symbiont", **kwargs) -> Connection:
-    """A new tenant identity at the executor serving `url` (e.g. 'local://NAME')."""
+    """A new tenant identity at the executor serving `url`: 'local://NAME' on this host, or
+    'grpc://HOST:PORT' on another. For gRPC with mutual TLS pass tls_dir= (a folder holding the
+    provider's ca.pem and your NAME.pem, NAME.key, NAME.token) and tenant=NAME; token= gives the
+    credential directly (an --insecure executor that asks for one). Other keywords: name,
+    latency, mailbox_mb, spin_us."""
     return Connection(url, **kwargs)
 
 

@@ -54,6 +54,13 @@ class InternalError(SymbiontError):
     code = pb.INTERNAL
 
 
+class AuthenticationError(SymbiontError, PermissionError):
+    """The executor refused this tenant's credential: no token, a token it does not know, or a
+    client certificate issued to another tenant than the token's (gRPC)."""
+
+    code = pb.UNAUTHENTICATED
+
+
 class RetryLaterError(ResourceExhaustedError):
     """The executor refused the call for now (it is saturated, or this tenant is over its quota of
     queued calls or tokens); nothing was done. Send it again after `retry_after_s` seconds."""
@@ -76,6 +83,7 @@ _BY_CODE = {
         ExecutorUnavailableError,
         InternalError,
         RetryLaterError,
+        AuthenticationError,
     )
 }
 

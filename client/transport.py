@@ -75,13 +75,7 @@ class Transport(abc.ABC):
         self.device = torch.device(device or "cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        uuid = ""
-        if self.device.type == "cuda":
-            from symbiont.proto.cuda_ipc import mappable_device
-
-            served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
-            self.area_device = mappable_device(served_on, self.device)
-            uuid = served_on if self.area_device is not None else ""
+        uuid = self._area_uuid() if self.device.type == "cuda" else ""
         request = pb.AttachRequest(
             tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid
         )
@@ -89,6 +83,15 @@ class Transport(abc.ABC):
         self.tenant_id, self.token = reply.tenant_id, reply.token
         self._attached(reply)
         return reply
+
+    def _area_uuid(self) -> str:
+        """A GPU tenant: the executor's GPU's uuid when our data area can live there (the executor's
+        own GPU or a peer of ours; sets area_device), else ""."""
+        from symbiont.proto.cuda_ipc import mappable_device
+
+        served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
+        self.area_device = mappable_device(served_on, self.device)
+        return served_on if self.area_device is not None else ""
 
     @property
     def is_attached(self) -> bool:
@@ -144,8 +147,15 @@ class Transport(abc.ABC):
         self._teardown()
 
 
-def open_transport(url: str) -> Transport:
+def open_transport(url: str, **options) -> Transport:
+    """The transport of url's scheme. options: gRPC's token, tls_dir and tenant (see connect)."""
     scheme, name = urls.parse(url)
+    if scheme == "grpc":
+        from symbiont.client.transports.grpc import GrpcTransport
+
+        return GrpcTransport(url, name, **options)
+    if any(v is not None for v in options.values()):
+        raise ValueError(f"{url}: {sorted(k for k, v in options.items() if v is not None)} apply to grpc:// addresses only")
     if scheme == "local":
         from symbiont.client.transports.local import LocalTransport
 

@@ -18,6 +18,7 @@ _EXPORTS = (
     "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError",
     "InvalidCallError", "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError",
     "NotAttachedError", "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
+    "AuthenticationError",
 )
 __all__ = [*_EXPORTS, "errors"]
 

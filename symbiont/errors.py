@@ -1,5 +1,6 @@
 """The typed errors a tenant sees, under their public name (defined in `symbiont.client.errors`)."""
 from symbiont.client.errors import (  # noqa: F401
+    AuthenticationError,
     DTypeMismatchError,
     ExecutorUnavailableError,
     InternalError,

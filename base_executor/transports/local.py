@@ -36,6 +36,7 @@ from symbiont.base_executor.core import CallError, ExecutorCore
 from symbiont.base_executor.transports.areas import AreaPool, Tenant, owner_alive
 from symbiont.base_executor.transports.local_calls import LocalCalls
 from symbiont.base_executor.transports.local_control import LocalControl
+from symbiont.base_executor.transports.remote import RemoteTenants
 from symbiont.proto import mailbox, urls
 from symbiont.proto.cuda_ipc import reached, stream_wait
 from symbiont.proto import executor_pb2 as pb
@@ -92,7 +93,7 @@ class LocalServerConfig:
             )
 
 
-class LocalServer(LocalControl, LocalCalls):
+class LocalServer(LocalControl, LocalCalls, RemoteTenants):
     def __init__(self, core: ExecutorCore, catalog: pb.CatalogReply, skeleton: pb.SkeletonReply, config: LocalServerConfig):
         self.core = core
         self.catalog = catalog
@@ -101,6 +102,7 @@ class LocalServer(LocalControl, LocalCalls):
         self.endpoint = urls.control_endpoint(config.name)
         self.lock = threading.RLock()  # a call run while draining delivers under it too
         self.tenants: dict[int, Tenant] = {}
+        self._init_remote()  # tenants of other transports (gRPC), served by the same data loop
         # detached tenants' and outgrown data areas are released by the data loop between
         # batches (never under a running batch; the scheduler is only ever touched by that thread)
         self.areas = AreaPool(config.name, core.device)
@@ -144,6 +146,8 @@ class LocalServer(LocalControl, LocalCalls):
             with self.lock:
                 for t in list(self.tenants.values()):
                     self._reclaim(t, "executor shutting down", release=True)
+                for r in list(self.remote.values()):
+                    self.detach_remote(r, "executor shutting down")
             self._release_retired()
             self.areas.close()
             try:
@@ -176,10 +180,12 @@ class LocalServer(LocalControl, LocalCalls):
             with self.lock:
                 tenants = list(self.tenants.values())
                 got = sum(self._drain_safely(t, stopping) for t in tenants)
+            got += self._drain_remote(stopping)
+            attached = len(tenants) + len(self.remote)
             ran = False
             while True:
-                can_grow = self.core.scheduler.waiting_tenants() < len(tenants) and not stopping
-                results = self.core.step(time.monotonic(), can_grow, len(tenants))
+                can_grow = self.core.scheduler.waiting_tenants() < attached and not stopping
+                results = self.core.step(time.monotonic(), can_grow, attached)
                 if not results:
                     break
                 self._deliver(results)

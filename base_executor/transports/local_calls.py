@@ -195,6 +195,9 @@ class LocalCalls:
         return found
 
     def _deliver(self, results: list[Result]) -> None:
+        if self.remote and any(getattr(r.call.tag, "remote", False) for r in results):  # (transports/remote.py)
+            self._deliver_remote([r for r in results if getattr(r.call.tag, "remote", False)])
+            results = [r for r in results if not getattr(r.call.tag, "remote", False)]
         told: dict[int, _Told] = {}  # by tenant id
         with self.lock:
             for r in results:

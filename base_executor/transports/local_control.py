@@ -80,7 +80,7 @@ class LocalControl:
                 health=pb.HealthReply(
                     serving=not self.stopping.is_set(),
                     model=self.catalog.model,
-                    tenants=len(self.tenants),
+                    tenants=len(self.tenants) + len(self.remote),
                     uptime_s=time.monotonic() - self.started,
                 ),
             )
@@ -180,7 +180,7 @@ class LocalControl:
                     mailbox_bytes=t.areas.total_bytes, refused=k.per_tenant_refused[t.id],
                 )
                 for t in self.tenants.values()
-            ]
+            ] + self._remote_stats(k)
         gpu = self.core.device.type == "cuda"
         return pb.StatsReply(
             policy=sched.config.policy,
@@ -193,7 +193,7 @@ class LocalControl:
             gpu_reserved_bytes=torch.cuda.memory_reserved(self.core.device) if gpu else 0,
             queued_calls=sched.pending(),
             queued_tokens=sched.queued_tokens,
-            tenants=len(self.tenants),
+            tenants=len(tenants),
             calls=k.calls,
             batches=k.batches,
             tokens=k.tokens,

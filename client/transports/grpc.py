@@ -1,0 +1,152 @@
+"""gRPC transport (`grpc://HOST:PORT`), tenant side: a tenant on another host.
+
+Control requests are unary `Control` RPCs; the data calls of one attach travel on one
+bidirectional `Calls` stream, each call's tensor as raw bytes in `payload` (chunked past
+`chunk_bytes`) and its result likewise; every call waits for its reply. A GPU tenant's tensors
+are copied to the host and back. Credentials: `token` (the provider's NAME.token) goes with
+every RPC as metadata; with `tls_dir` the channel is mutual TLS with the tenant's certificate
+(NAME.pem, NAME.key) and the provider's CA (ca.pem); without it the channel is plaintext and the
+executor must serve with --insecure.
+"""
+from __future__ import annotations
+
+import pathlib
+import queue
+import threading
+
+import grpc
+import torch
+
+from symbiont.client.errors import ExecutorUnavailableError, MalformedMessageError, raise_for_status
+from symbiont.client.transport import Transport
+from symbiont.proto import codec
+from symbiont.proto import executor_pb2 as pb
+
+SERVICE = "/symbiont.Executor/"
+CHUNK_BYTES = 4 << 20  # the most payload bytes in one message (the executor's default)
+_MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class GrpcTransport(Transport):
+    def __init__(self, url: str, address: str, *, token: str = "", tls_dir: str | None = None, tenant: str | None = None):
+        super().__init__(url)
+        self.address = address
+        self.credential = token or ""
+        options = [("grpc.max_receive_message_length", _MESSAGE_LIMIT), ("grpc.max_send_message_length", _MESSAGE_LIMIT)]
+        if tls_dir:
+            d = pathlib.Path(tls_dir)
+            if tenant is None:
+                raise ValueError("tls_dir needs tenant= (the NAME of NAME.pem, NAME.key, NAME.token there)")
+            if not self.credential and (d / f"{tenant}.token").exists():
+                self.credential = (d / f"{tenant}.token").read_text().strip()
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=(d / "ca.pem").read_bytes(),
+                private_key=(d / f"{tenant}.key").read_bytes(),
+                certificate_chain=(d / f"{tenant}.pem").read_bytes(),
+            )
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._control_rpc = self._channel.unary_unary(SERVICE + "Control")
+        self._calls_rpc = self._channel.stream_stream(SERVICE + "Calls")
+        self._requests: queue.SimpleQueue | None = None
+        self._replies = None
+        self._stream_lock = threading.Lock()
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        return [("credential", self.credential)] if self.credential else []
+
+    def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
+        if request.WhichOneof("kind") == "attach" and self.credential:
+            request.attach.credential = self.credential
+            request.attach.pid = 0  # (a pid means nothing on the executor's host)
+        try:
+            data = self._control_rpc(request.SerializeToString(), timeout=timeout_s, metadata=self._metadata())
+        except grpc.RpcError as e:
+            raise _unavailable(self.url, e) from None
+        try:
+            return pb.ControlReply.FromString(data)
+        except Exception as e:
+            raise MalformedMessageError(f"reply from {self.url} does not parse: {e}") from e
+
+    def _area_uuid(self) -> str:
+        return ""  # (no data area on the executor's GPU from another host)
+
+    def _attached(self, reply: pb.AttachReply) -> None:
+        self._open_stream()
+
+    def _open_stream(self) -> None:
+        self._close_stream()
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        metadata = [*self._metadata(), ("tenant-id", str(self.tenant_id)), ("token", self.token)]
+        self._replies = self._calls_rpc(iter(requests.get, None), metadata=metadata)
+        self._requests = requests
+
+    def _close_stream(self) -> None:
+        if self._requests is not None:
+            self._requests.put(None)  # (ends the request stream: the executor detaches us)
+        if self._replies is not None:
+            self._replies.cancel()
+        self._requests = self._replies = None
+
+    def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
+        if self._requests is None:
+            from symbiont.client.errors import NotAttachedError
+
+            raise NotAttachedError(f"{self.url}: attach first")
+        call_id = next(self._ids)
+        host = x.detach()
+        if host.device.type != "cpu":
+            host = host.cpu()
+        data = host.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        head = self._request(unit, op, x, latency, call_id)
+        n = max(1, (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES)
+        for i in range(n):
+            msg = head if i == 0 else pb.CallRequest(call_id=call_id)
+            msg.payload = data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
+            msg.more = i < n - 1
+            self._requests.put(msg.SerializeToString())
+        parts, first = [], None
+        try:
+            while True:
+                reply = pb.CallReply.FromString(next(self._replies))
+                if first is None:
+                    first = reply
+                    raise_for_status(reply.status, f"{pb.Op.Name(op)} of {unit!r} on {self.url}")
+                    if reply.call_id != call_id:
+                        raise MalformedMessageError(f"{self.url}: reply to call {reply.call_id}, expected {call_id}")
+                parts.append(reply.payload)
+                if not reply.more:
+                    break
+        except grpc.RpcError as e:
+            self._requests = self._replies = None
+            raise _unavailable(self.url, e) from None
+        except StopIteration:
+            self._requests = self._replies = None
+            raise ExecutorUnavailableError(f"{self.url}: the executor ended this tenant's call stream") from None
+        dtype = codec.torch_dtype(first.dtype)
+        shape = tuple(first.shape)
+        y = torch.frombuffer(bytearray(b"".join(parts)), dtype=dtype).view(shape) if codec.nbytes(shape, dtype) else torch.empty(shape, dtype=dtype)
+        if y.dtype != out_dtype or y.shape != tuple(out_shape):
+            raise MalformedMessageError(f"{self.url}: result {tuple(y.shape)} {y.dtype}, expected {tuple(out_shape)} {out_dtype}")
+        if x.device.type != "cpu":
+            y = y.to(x.device)
+        return y if take is None else take(y)
+
+    def _teardown(self) -> None:
+        self._close_stream()
+
+    def _close(self) -> None:
+        super()._close()
+        self._channel.close()
+
+
+def _unavailable(url: str, e: grpc.RpcError) -> Exception:
+    code = e.code() if hasattr(e, "code") else None
+    from symbiont.client.errors import AuthenticationError
+
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"{url}: {e.details()}")
+    return ExecutorUnavailableError(f"no executor answered at {url} ({code.name if code else 'error'}: "
+                                    f"{e.details() if hasattr(e, 'details') else e})")
