@@ -1,0 +1,210 @@
+"""Tenants over gRPC (grpc://HOST:PORT), over loopback with a real executor process: exactness as
+a local tenant's, both listeners on one executor, mutual TLS with per-tenant credentials, and
+every refusal typed while the other tenants carry on."""
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from symbiont import connect, virtualize
+from symbiont.base_executor import certs
+from symbiont.base_executor.models import build_builtin
+from symbiont.errors import (
+    AuthenticationError,
+    ExecutorUnavailableError,
+    InvalidCallError,
+    NotAttachedError,
+    ShapeMismatchError,
+)
+from symbiont.proto import executor_pb2 as pb
+from tests.conftest import REPO, running_executor
+from tests.models import assert_grads_close, ids, lora_grads, lora_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> pathlib.Path:
+    """A provider's folder: CA, server certificate for 127.0.0.1, tenants alice and bob."""
+    d = tmp_path_factory.mktemp("tls")
+    ca = certs.make_ca(d)
+    certs.make_server(d, ca, ["localhost", "127.0.0.1"])
+    for name in ("alice", "bob"):
+        certs.make_tenant(d, ca, name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def insecure():
+    """An executor serving local:// and insecure grpc:// at once (no credentials asked)."""
+    port = free_port()
+    with running_executor("tiny-llama", "--listen", f"grpc://127.0.0.1:{port}", "--insecure") as ex:
+        ex.grpc = f"grpc://127.0.0.1:{port}"
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def secure(tls):
+    port = free_port()
+    with running_executor("tiny-llama", "--listen", f"grpc://127.0.0.1:{port}", "--tls-dir", str(tls)) as ex:
+        ex.grpc = f"grpc://127.0.0.1:{port}"
+        yield ex
+
+
+def test_grpc_tenant_is_exact_beside_a_local_tenant(insecure):
+    """Logits bitwise, greedy tokens equal, adapter gradients within 1e-5: as a local:// tenant
+    gets, while one is attached over local:// at the same time."""
+    ref = build_builtin("tiny-llama")
+    remote = virtualize(build_builtin("tiny-llama"), connect(insecure.grpc))
+    local = virtualize(build_builtin("tiny-llama"), insecure.url)
+    x = ids(2, 13)
+    with torch.no_grad():
+        want = ref(x).logits
+        assert torch.equal(remote(x).logits, want)
+        assert torch.equal(local(x).logits, want)
+    prompt = ids(1, 5, seed=3)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(remote.generate(prompt, **kw), ref.generate(prompt, **kw))
+    lref, lrem = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(insecure.grpc))
+    for m in (lref, lrem):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(lref), lora_grads(lrem))
+    with connect(insecure.url) as observer:
+        placements = sorted(t.placement for t in observer.stats().tenant_stats)
+    assert placements.count("remote") == 2 and "cpu" in placements
+
+
+def test_large_calls_travel_in_chunks(insecure):
+    """An input and a result of ~5 MB each cross in several messages (4 MiB chunks) and are exact."""
+    unit = build_builtin("tiny-llama").model.layers[0].mlp.down_proj
+    with connect(insecure.grpc) as conn:
+        conn.ensure_attached()
+        x = torch.randn(20000, unit.in_features)
+        assert x.numel() * 4 > 4 << 20
+        y = conn.transport.call("model.layers.0.mlp.down_proj", pb.FORWARD, x, (20000, unit.out_features), torch.float32, pb.TRAINING)
+        torch.testing.assert_close(y, x @ unit.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_calls_get_typed_errors_and_the_stream_goes_on(insecure):
+    with connect(insecure.grpc) as conn:
+        conn.ensure_attached()
+        t = conn.transport
+        with pytest.raises(ShapeMismatchError):
+            t.call("model.layers.0.mlp.down_proj", pb.FORWARD, torch.randn(3, 7), (3, 7), torch.float32, pb.TRAINING)
+        with pytest.raises(InvalidCallError):
+            t.call("no.such.unit", pb.FORWARD, torch.randn(3, 7), (3, 7), torch.float32, pb.TRAINING)
+        # a payload that does not match its header, and bytes that are no CallRequest, on the raw stream
+        d = build_builtin("tiny-llama").config.hidden_size
+        bad = pb.CallRequest(call_id=99, unit="model.layers.0.self_attn.o_proj", op=pb.FORWARD, dtype=pb.FLOAT32,
+                             shape=[2, d], payload=b"\0" * 12)
+        t._requests.put(bad.SerializeToString())
+        reply = pb.CallReply.FromString(next(t._replies))
+        assert reply.call_id == 99 and reply.status.code == pb.INVALID_ARGUMENT and "payload" in reply.status.message
+        t._requests.put(b"\xff\xff\xff garbage")
+        assert pb.CallReply.FromString(next(t._replies)).status.code == pb.MALFORMED
+        x = torch.randn(2, d)
+        y = t.call("model.layers.0.self_attn.o_proj", pb.FORWARD, x, (2, d), torch.float32, pb.TRAINING)
+        assert y.shape == (2, d)
+
+
+def test_malformed_control_bytes_and_another_tenants_session(insecure):
+    with grpc.insecure_channel(insecure.grpc.split("//")[1]) as ch:
+        raw = ch.unary_unary("/symbiont.Executor/Control")
+        reply = pb.ControlReply.FromString(raw(b"\xff\xff\xff garbage", timeout=10))
+        assert reply.status.code == pb.MALFORMED
+    with connect(insecure.grpc) as a, connect(insecure.grpc) as b:
+        a.ensure_attached()
+        b.ensure_attached()
+        b.transport.token = a.transport.token  # b claims a's session with its own id: refused
+        with pytest.raises(NotAttachedError):
+            b.transport.control("detach", pb.DetachRequest())
+        b.transport.tenant_id, b.transport.token = a.transport.tenant_id, "0" * 32
+        with pytest.raises(NotAttachedError):
+            b.transport.control("detach", pb.DetachRequest())
+        x = ids(1, 4)
+        a.transport.call("model.embed_tokens", pb.FORWARD, x, (1, 4, 64), torch.float32, pb.TRAINING)  # a is untouched
+
+
+def test_a_tenant_that_drops_its_stream_is_detached(insecure):
+    code = (
+        "import os, sys, torch\n"
+        "from symbiont import connect, virtualize\n"
+        "from symbiont.base_executor.models import build_builtin\n"
+        f"m = virtualize(build_builtin('tiny-llama'), connect('{insecure.grpc}', name='doomed'))\n"
+        "m(torch.ones(1, 4, dtype=torch.long))\n"
+        "print('attached', flush=True)\n"
+        "os._exit(0)\n"  # no detach, no goodbye
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "attached" in out.stdout, out.stderr
+    deadline = time.monotonic() + 10
+    with connect(insecure.url) as observer:
+        while any(t.name == "doomed" for t in observer.stats().tenant_stats):
+            assert time.monotonic() < deadline, "the tenant that dropped its stream is still attached"
+            time.sleep(0.1)
+    assert "doomed" in insecure.log() and "its call stream ended" in insecure.log()
+
+
+def test_grpc_listener_needs_tls_or_an_explicit_insecure():
+    out = subprocess.run(
+        [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", "tiny-llama", "--listen",
+         f"grpc://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert out.returncode != 0 and "--tls-dir" in out.stderr and "--insecure" in out.stderr
+
+
+def test_mutual_tls_tenant_is_exact(secure, tls):
+    ref = build_builtin("tiny-llama")
+    virt = virtualize(build_builtin("tiny-llama"), connect(secure.grpc, tls_dir=str(tls), tenant="alice"))
+    x = ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(virt(x).logits, ref(x).logits)
+    with connect(secure.grpc, tls_dir=str(tls), tenant="bob") as bob:
+        rows = bob.stats().tenant_stats  # over gRPC a tenant sees no one's row but its own
+        assert rows == [] or all(r.name == "bob" for r in rows)
+
+
+def test_wrong_credentials_are_refused_and_logged(secure, tls):
+    alice_token = (tls / "alice.token").read_text().strip()
+    with pytest.raises(AuthenticationError):
+        connect(secure.grpc, tls_dir=str(tls), tenant="alice", token="not-a-token").ensure_attached()
+    with pytest.raises(AuthenticationError):  # alice's token with bob's certificate
+        connect(secure.grpc, tls_dir=str(tls), tenant="bob", token=alice_token).ensure_attached()
+    assert "unknown credential" in secure.log() and "came with the certificate of" in secure.log()
+    with pytest.raises(ExecutorUnavailableError):  # no TLS at all
+        connect(secure.grpc, token=alice_token).catalog()
+
+
+def test_certificates_of_another_ca_or_expired_never_get_in(secure, tls, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    ca = certs.make_ca(other)
+    certs.make_tenant(other, ca, "alice")
+    (other / "ca.pem").write_bytes((tls / "ca.pem").read_bytes())  # trusts the real server, shows a foreign cert
+    with pytest.raises(ExecutorUnavailableError):
+        connect(secure.grpc, tls_dir=str(other), tenant="alice").catalog()
+    expired = tmp_path / "expired"
+    expired.mkdir()
+    for f in ("ca.pem", "ca.key"):
+        (expired / f).write_bytes((tls / f).read_bytes())
+    long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=30)
+    certs.make_tenant(expired, certs.load_ca(expired), "alice", days=1, not_before=long_ago)
+    os.replace(expired / "alice.token", expired / "unused.token")
+    with pytest.raises(ExecutorUnavailableError):
+        connect(secure.grpc, tls_dir=str(expired), tenant="alice", token=(tls / "alice.token").read_text().strip()).catalog()
+    # meanwhile the real alice is served
+    with connect(secure.grpc, tls_dir=str(tls), tenant="alice") as conn:
+        assert conn.catalog().model == "tiny-llama"
