@@ -169,6 +169,8 @@ class UnitRef:
     _d_out: int
     _dtype: torch.dtype
     _shim_id: int
+    _mask = None  # client.privacy.NoiseMask when this tenant masks its calls
+
 
     def _register(self) -> None:
         self._shim_id = next(_IDS)
@@ -187,7 +189,12 @@ class UnitRef:
         latency = pb.TRAINING if torch.is_grad_enabled() or x.requires_grad or op == pb.BACKWARD else pb.INFERENCE
         if op == pb.BACKWARD:  # (a fused group's too)
             confirm_when_backward_ends(self.transport)
-        return self.transport.call(self.unit_id, op, x, self._out_shape(x.shape, op), self._dtype, latency, take)
+        shape = self._out_shape(x.shape, op)
+        if self._mask is not None:
+            y = self._mask.call(self, x, op, lambda v: self.transport.call(self.unit_id, op, v, shape, self._dtype, latency))
+            if y is not None:
+                return y if take is None else take(y)
+        return self.transport.call(self.unit_id, op, x, shape, self._dtype, latency, take)
 
 
 class VirtLayer(UnitRef, nn.Module):

@@ -105,6 +105,7 @@ def virtualize(
     fuse: bool = True,
     whole_mlp: bool = True,
     device: torch.device | str | None = None,
+    mask=None,
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -114,7 +115,9 @@ def virtualize(
     call forward and one backward (client/whole_mlp.py), when the executor serves it so.
     `device` is where the tenant's tensors live (default: where the model's parameters are); a
     model whose units are still on the meta device (built under `parameters_on_meta`) is
-    virtualized without ever holding their weights.
+    virtualized without ever holding their weights. `mask` (a client.privacy.NoiseMask) adds
+    fresh noise to every linear unit's input and gradient and removes its effect from the reply,
+    so the executor never sees them plain; it turns whole-MLP calls off.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -173,10 +176,15 @@ def virtualize(
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
+    if mask is not None:
+        whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
+        mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
     if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass)
         serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
-    if fuse:
-        fuse_siblings([u for u in catalog.units if u.members], shims, root)
+    groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
+    if mask is not None:
+        for ref in [*shims.values(), *groups]:
+            ref._mask = mask
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transport))
     del plan, shims

@@ -1,0 +1,123 @@
+"""Noise masking (client/privacy.py) against a real executor: the masked model computes what the
+unsplit one does within the stated tolerance, forward and backward, with the noise effects from
+the tenant's own weights or from the executor; what the executor receives is never the plain
+input, and no two calls carry the same noise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiont import connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont.client.privacy import NoiseMask
+from symbiont.proto import executor_pb2 as pb
+from tests.conftest import running_executor
+from tests.models import ids, lora_grads, lora_model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("effects", ["local", "executor"])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_masked_tenant_computes_the_unsplit_model(executor, effects, scale):
+    """float32: logits and adapter gradients within 2e-6 x max(1, scale) relative."""
+    ref = build_builtin("tiny-llama")
+    x = ids(2, 11)
+    tol = 2e-6 * max(1.0, scale)
+    mask = NoiseMask(scale=scale, rank=8, effects=effects, weights=ref.state_dict())
+    virt = virtualize(build_builtin("tiny-llama"), executor.url, mask=mask)
+    with torch.no_grad():
+        assert rel(virt(x).logits, ref(x).logits) < tol
+    lref = lora_model("tiny-llama")
+    lvirt = virtualize(lora_model("tiny-llama"), executor.url,
+                       mask=NoiseMask(scale=scale, rank=8, effects=effects, weights=ref.state_dict()))
+    for m in (lref, lvirt):
+        m(input_ids=x, labels=x).loss.backward()
+    want, got = lora_grads(lref), lora_grads(lvirt)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert rel(got[name], want[name]) < tol, name
+
+
+def test_the_executor_sees_fresh_noise_never_the_input(executor):
+    """Each call's input as it is sent: noise of the asked RMS, in the unit's noise basis, new
+    for every call of the same input; the reply, once the effect is removed, is the unit's."""
+    ref = build_builtin("tiny-llama")
+    unit = "model.layers.0.self_attn.o_proj"
+    w = ref.get_submodule(unit).weight.detach()
+    mask = NoiseMask(scale=2.0, rank=4, effects="local", weights=ref.state_dict())
+    virt = virtualize(build_builtin("tiny-llama"), connect(executor.url), mask=mask, fuse=False)
+    shim = virt.get_submodule(unit)
+    sent = []
+
+    def send(v):
+        sent.append(v.clone())
+        return shim.transport.call(unit, pb.FORWARD, v, (*v.shape[:-1], w.shape[0]), torch.float32, pb.INFERENCE)
+
+    x = torch.randn(5, w.shape[1])
+    ys = [mask.call(shim, x, pb.FORWARD, send) for _ in range(2)]
+    for y in ys:
+        torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+    noise = [s - x for s in sent]
+    assert not torch.allclose(noise[0], noise[1])  # fresh per call
+    for n in noise:
+        r = (n.pow(2).mean().sqrt() / x.pow(2).mean().sqrt()).item()
+        assert 0.5 < r < 4.0, r  # about the asked scale (a combination of 4 basis rows per token)
+        basis = mask._units[unit].n
+        coef = torch.linalg.lstsq(basis.T, n.T).solution  # in the span of the unit's basis
+        torch.testing.assert_close(coef.T @ basis, n, rtol=1e-4, atol=1e-4)
+
+
+def test_local_effects_cost_the_executor_no_call_and_whole_mlp_calls_stop():
+    """effects='local': the masked forward makes exactly the calls of an unmasked per-Linear one
+    (the executor never gets the basis alone); effects='executor': two more per unit, once."""
+    ref = build_builtin("tiny-llama")
+    x = ids(1, 6)
+    counts = {}
+    with running_executor("tiny-llama") as ex:
+        for how in ("plain", "local", "executor", "executor again"):
+            with connect(ex.url) as conn:
+                if how == "plain":
+                    m = virtualize(build_builtin("tiny-llama"), conn, whole_mlp=False)
+                elif how == "executor again":
+                    m = virtualize(build_builtin("tiny-llama"), conn, mask=mask)
+                else:
+                    mask = NoiseMask(rank=4, effects=how, weights=ref.state_dict())
+                    m = virtualize(build_builtin("tiny-llama"), conn, mask=mask)
+                before = conn.stats()
+                with torch.no_grad():
+                    m(x)
+                after = conn.stats()
+            counts[how] = after.calls - before.calls
+            mlp = {u.unit: u.calls for u in after.units if u.unit.endswith(".mlp")}
+            assert not any(mlp.values()), f"{how}: whole-MLP calls {mlp}"
+    units = counts["plain"] - 1  # (the embedding is not masked)
+    assert counts["local"] == counts["plain"]
+    assert counts["executor"] == counts["plain"] + 2 * units, counts
+    assert counts["executor again"] == counts["plain"]  # (a mask's effects are computed once per unit)
+
+
+def test_masking_in_bfloat16_keeps_to_its_stated_tolerance():
+    """bfloat16 rounds the noised input and the corrected output: the masked model stays within
+    twice the bfloat16 model's own distance from float32, plus 4e-3 x scale."""
+    ref = build_builtin("tiny-llama", torch.bfloat16)
+    x = ids(2, 9)
+    with running_executor("tiny-llama", "--dtype", "bfloat16") as ex, torch.no_grad():
+        want = ref(x).logits.float()
+        rounding = rel(want, build_builtin("tiny-llama")(x).logits)
+        for scale in (0.1, 1.0, 10.0):
+            m = virtualize(build_builtin("tiny-llama", torch.bfloat16), ex.url,
+                           mask=NoiseMask(scale=scale, rank=8, effects="local", weights=ref.state_dict()))
+            err = rel(m(x).logits.float(), want)
+            assert err < 2 * rounding + 4e-3 * scale, (scale, err, rounding)
+
+
+def test_mask_settings_are_checked():
+    with pytest.raises(ValueError, match="weights"):
+        NoiseMask(effects="local")
+    with pytest.raises(ValueError, match="effects"):
+        NoiseMask(effects="nobody", weights={})
+    with pytest.raises(ValueError, match="rank"):
+        NoiseMask(rank=0, effects="executor")
