@@ -22,11 +22,11 @@ class Connection:
 
     def __init__(
         self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
-        token: str | None = None, tls_dir: str | None = None, tenant: str | None = None,
+        token: str | None = None, tls_dir: str | None = None, tenant: str | None = None, reconnect_s: float | None = None,
     ):
         self.url = url
         self.name = name or tenant or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
-        self.transport: Transport = open_transport(url, token=token, tls_dir=tls_dir, tenant=tenant)
+        self.transport: Transport = open_transport(url, token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s)
         if spin_us is not None:
             self.transport.spin_us = spin_us
         self._latency = latency
@@ -159,7 +159,8 @@ def connect(url: str = "local://symbiont", **kwargs) -> Connection:
     """A new tenant identity at the executor serving `url`: 'local://NAME' on this host, or
     'grpc://HOST:PORT' on another. For gRPC with mutual TLS pass tls_dir= (a folder holding the
     provider's ca.pem and your NAME.pem, NAME.key, NAME.token) and tenant=NAME; token= gives the
-    credential directly (an --insecure executor that asks for one). Other keywords: name,
+    credential directly (an --insecure executor that asks for one); reconnect_s (default 60; 0:
+    never) is how long a gRPC call waits for a restarted executor. Other keywords: name,
     latency, mailbox_mb, spin_us."""
     return Connection(url, **kwargs)
 

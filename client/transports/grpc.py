@@ -3,7 +3,10 @@
 Control requests are unary `Control` RPCs; the data calls of one attach travel on one
 bidirectional `Calls` stream, each call's tensor as raw bytes in `payload` (chunked past
 `chunk_bytes`) and its result likewise; every call waits for its reply. A GPU tenant's tensors
-are copied to the host and back. Credentials: `token` (the provider's NAME.token) goes with
+are copied to the host and back. When the executor goes away (a restart), a call waits up to
+`reconnect_s` for it to answer again, attaches anew (the same model, or ModelMismatchError) and
+sends the call again: calls change no state at the executor, so a retried call counts once.
+Credentials: `token` (the provider's NAME.token) goes with
 every RPC as metadata; with `tls_dir` the channel is mutual TLS with the tenant's certificate
 (NAME.pem, NAME.key) and the provider's CA (ca.pem); without it the channel is plaintext and the
 executor must serve with --insecure.
@@ -29,11 +32,17 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 
 
 class GrpcTransport(Transport):
-    def __init__(self, url: str, address: str, *, token: str = "", tls_dir: str | None = None, tenant: str | None = None):
+    def __init__(self, url: str, address: str, *, token: str = "", tls_dir: str | None = None, tenant: str | None = None,
+                 reconnect_s: float | None = None):
         super().__init__(url)
         self.address = address
+        self.reconnect_s = 60.0 if reconnect_s is None else reconnect_s
+        self._attach_args = None  # (tenant_name, latency, mailbox_bytes, device) of the first attach
+        self._served = None  # what the executor served then: (model, unit fingerprints)
         self.credential = token or ""
-        options = [("grpc.max_receive_message_length", _MESSAGE_LIMIT), ("grpc.max_send_message_length", _MESSAGE_LIMIT)]
+        options = [("grpc.max_receive_message_length", _MESSAGE_LIMIT), ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+                   # a restarted executor is found within ~2 s, not grpc's default of up to 2 minutes
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
         if tls_dir:
             d = pathlib.Path(tls_dir)
             if tenant is None:
@@ -70,6 +79,42 @@ class GrpcTransport(Transport):
         except Exception as e:
             raise MalformedMessageError(f"reply from {self.url} does not parse: {e}") from e
 
+    def attach(self, tenant_name, latency=pb.TRAINING, mailbox_bytes=0, device=None):
+        reply = super().attach(tenant_name, latency, mailbox_bytes, device)
+        served = self._served_model()
+        if self._served is None:
+            self._attach_args, self._served = (tenant_name, latency, mailbox_bytes, device), served
+        elif served != self._served:
+            from symbiont.client.errors import ModelMismatchError
+
+            self.tenant_id = 0
+            raise ModelMismatchError(f"{self.url} came back serving another model ({served[0]}) than before ({self._served[0]})")
+        return reply
+
+    def _served_model(self):
+        catalog = self.control("catalog", pb.CatalogRequest()).catalog
+        return catalog.model, tuple(sorted((u.id, u.fingerprint) for u in catalog.units))
+
+    def _reattach(self, why: Exception) -> None:
+        """Waits up to reconnect_s for the executor to answer, then attaches anew; raises `why`
+        when it does not come back."""
+        import time
+        import warnings
+
+        deadline = time.monotonic() + self.reconnect_s
+        self._close_stream()
+        self.tenant_id, self.token = 0, ""
+        while True:
+            try:
+                self.attach(*self._attach_args)
+                warnings.warn(f"{self.url}: the executor was gone ({why}); attached again as tenant {self.tenant_id}",
+                              RuntimeWarning, stacklevel=3)
+                return
+            except ExecutorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise why from None
+                time.sleep(0.5)
+
     def _area_uuid(self) -> str:
         return ""  # (no data area on the executor's GPU from another host)
 
@@ -91,6 +136,15 @@ class GrpcTransport(Transport):
         self._requests = self._replies = None
 
     def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
+        while True:
+            try:
+                return self._call_once(unit, op, x, out_shape, out_dtype, latency, take)
+            except ExecutorUnavailableError as e:
+                if not self.reconnect_s or self._attach_args is None:
+                    raise
+                self._reattach(e)
+
+    def _call_once(self, unit, op, x, out_shape, out_dtype, latency, take=None):
         if self._requests is None:
             from symbiont.client.errors import NotAttachedError
 
