@@ -9,7 +9,9 @@ Python instead of in one native call; `same-gpu-wait`: each call waits for its r
 `same-gpu-eager`: no CUDA graphs either), `peer-gpu` (tenant on a second GPU: the executor's CUDA
 IPC mailbox, peer copies on the tenant's streams, ordered by the mailbox's words; `peer-gpu-events`:
 ordered on the executor's GPU by the mailbox's events instead, each call waiting for its reply;
-needs two GPUs). The executor is a real `base-executor serve` process; the unit is a 2048x2048
+needs two GPUs), `grpc` (tenant on the CPU, over gRPC on loopback, plaintext), `grpc-tls` (mutual
+TLS), `grpc-tls-mask` (mutual TLS and noise masking, client/privacy.py; the executor on the GPU
+when there is one). The executor is a real `base-executor serve` process; the unit is a 2048x2048
 q_proj of a one-layer Llama saved to a temporary directory.
 
     python benchmarks/s6_transport.py [--label mps]      # run once with MPS on, once without
@@ -45,6 +47,14 @@ def make_model(path: str) -> None:
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=1, num_attention_heads=16,
                          num_key_value_heads=8, vocab_size=1024)
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None, extra=()) -> subprocess.Popen:
@@ -91,6 +101,8 @@ def main() -> int:
         make_model(tmp)
         w = torch.randn(HIDDEN, HIDDEN)
         placements = [("cpu-executor", "cpu", "float32", "cpu")]
+        grpc_on = ("cuda:0", "bfloat16") if cuda else ("cpu", "float32")
+        placements += [(name, *grpc_on, "cpu") for name in ("grpc", "grpc-tls", "grpc-tls-mask")]
         if torch.cuda.device_count() > 1:
             placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1"), ("peer-gpu-events", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
@@ -111,21 +123,43 @@ def main() -> int:
         for name, spin, ex_device, dtype, tenant_device in runs:
             url = f"local://s6-{os.getpid()}-{len(rows)}"
             flags = {"same-gpu-eager": ["--graph-tokens", "0"], "same-gpu-python-serve": ["--no-native-serve"]}
-            proc = serve(tmp, url, ex_device, dtype, spin, next((f for k, f in flags.items() if name.startswith(k)), []))
+            extra = next((f for k, f in flags.items() if name.startswith(k)), [])
+            if name.startswith("grpc"):
+                port = free_port()
+                tls = name.startswith("grpc-tls")
+                if tls and not os.path.exists(os.path.join(tmp, "certs", "ca.pem")):
+                    from symbiont.base_executor import certs
+
+                    os.makedirs(os.path.join(tmp, "certs"))
+                    certs.main(os.path.join(tmp, "certs"), ["127.0.0.1"], ["s6"], 1)
+                extra = ["--listen", f"grpc://127.0.0.1:{port}", *(["--tls-dir", os.path.join(tmp, "certs")] if tls else ["--insecure"])]
+            proc = serve(tmp, url, ex_device, dtype, spin, extra)
             try:
-                conn = connect(url, spin_us=spin)
+                if name.startswith("grpc"):
+                    conn = connect(f"grpc://127.0.0.1:{port}", **({"tls_dir": os.path.join(tmp, "certs"), "tenant": "s6"} if tls else {}))
+                else:
+                    conn = connect(url, spin_us=spin)
                 conn.transport.peer_streams = not name.startswith("peer-gpu-events")
                 conn.ensure_attached(tenant_device)
                 t = conn.transport
                 t.return_early = not name.startswith("same-gpu-wait")
                 t.native_calls = not name.startswith("same-gpu-python")
                 tdtype = getattr(torch, dtype)
+                call = lambda x, n: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE)  # noqa: E731
+                if name.endswith("-mask"):
+                    from types import SimpleNamespace
+
+                    from symbiont.client.privacy import NoiseMask
+
+                    mask = NoiseMask(scale=1.0, rank=16, effects="executor")
+                    ref = SimpleNamespace(unit_id=UNIT, _kind="linear", _d_in=HIDDEN, _d_out=HIDDEN, _dtype=tdtype, transport=t)
+                    call = lambda x, n: mask.call(ref, x, pb.FORWARD, lambda v: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), tdtype, pb.INFERENCE))  # noqa: E731
                 row = {}
                 for n in TOKENS:
                     x = torch.randn(n, HIDDEN, dtype=tdtype, device=tenant_device)
                     calls = a.calls if ex_device != "cpu" or n <= 16 else 20
                     tsync = (lambda d=tenant_device: torch.cuda.synchronize(d)) if tenant_device != "cpu" else (lambda: None)
-                    row[n] = median_us(lambda: t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), tdtype, pb.INFERENCE), tsync, calls)
+                    row[n] = median_us(lambda: call(x, n), tsync, calls)
                 rows[name] = row
                 st = conn.stats()
                 served[name] = {"calls": st.calls, "graph_replays": st.graph_replays, "native_calls": st.native_calls}
