@@ -253,3 +253,17 @@ def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
                 torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         ex.stop()
+
+
+def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):
+    """The HF Trainer fine-tunes a LoRA tenant over gRPC, its calls noise-masked: the adapter ends
+    where the unsplit run's does."""
+    from symbiont.client.privacy import NoiseMask
+    from tests.test_training import _train
+
+    ref = _train(lora_model("tiny-llama"), tmp_path / "ref")
+    mask = NoiseMask(scale=1.0, rank=8, weights=build_builtin("tiny-llama").state_dict())
+    got = _train(virtualize(lora_model("tiny-llama"), connect(insecure.grpc), mask=mask), tmp_path / "virt")
+    assert ref.keys() == got.keys() and ref
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
