@@ -91,7 +91,10 @@ def attacks(mask: Recording, known: int) -> dict:
 
 def main() -> int:
     from symbiont import connect, virtualize, wait_for_executor
-    from symbiont.base_executor.models import build_builtin
+    from symbiont.base_executor.models import load_model
+
+    def build_builtin(name):  # (a built-in random model or a checkpoint, e.g. smollm2-135m's real weights)
+        return load_model(name).model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-llama")
