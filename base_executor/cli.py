@@ -175,6 +175,9 @@ def _stats(args: argparse.Namespace) -> int:
         return show(args.url, args.watch)
     except KeyboardInterrupt:
         return 0
+    except (ValueError, TimeoutError, RuntimeError) as e:
+        print(f"base-executor stats: {e}", file=sys.stderr)
+        return 2
 
 
 def _certs(args: argparse.Namespace) -> int:

@@ -20,6 +20,9 @@ CLASS_NAMES = {pb.TRAINING: "training", pb.INFERENCE: "inference"}
 def fetch(url: str, timeout_s: float = 5.0) -> pb.StatsReply:
     """One StatsReply from the executor serving `url` (no attach: stats need no tenant)."""
     scheme, name = urls.parse(url)
+    if scheme != "local":
+        raise ValueError(f"{url}: the provider's stats come from the executor's host (base-executor stats local://NAME); "
+                         "over gRPC a tenant's connect(...).stats() shows the totals and its own row")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -1,7 +1,8 @@
 """CPU split tax, side by side in one run: one LoRA fine-tuning pass (forward + backward) and one
 greedy decode step of the unsplit HF + PEFT model, against the same model virtualized through a
 real `base-executor` process, with the executor's OpenMP threads waiting passively (the default)
-and spinning (OMP_WAIT_POLICY=ACTIVE).
+and spinning (OMP_WAIT_POLICY=ACTIVE); with --grpc also a tenant of the same executor over
+loopback gRPC (plaintext, and mutual TLS), the S1 split tax of a remote tenant beside a local one.
 
     python benchmarks/cpu_split.py                       # smollm2-135m if installed, else tiny-llama
     python benchmarks/cpu_split.py --model tiny-llama --steps 20
@@ -25,9 +26,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def start_executor(model: str, url: str, omp_policy: str) -> subprocess.Popen:
+def start_executor(model: str, url: str, omp_policy: str, extra=()) -> subprocess.Popen:
     env = {**os.environ, "OMP_WAIT_POLICY": omp_policy}
-    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url]
+    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url, *extra]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from symbiont import wait_for_executor
 
@@ -73,6 +74,7 @@ def main() -> int:
     p.add_argument("--model", default=default_model())
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--grpc", action="store_true", help="also tenants over loopback gRPC, plaintext and mutual TLS")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count())
     x = torch.randint(1, 200, (1, a.tokens), generator=torch.Generator().manual_seed(0))
@@ -87,6 +89,27 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
+    if a.grpc:
+        import socket
+        import tempfile
+
+        from symbiont import connect
+        from symbiont.base_executor import certs
+
+        with tempfile.TemporaryDirectory() as tls:
+            certs.main(tls, ["127.0.0.1"], ["bench"], 1)
+            for mode, flags, kw in (("plaintext", ["--insecure"], {}), ("mutual TLS", ["--tls-dir", tls], {"tls_dir": tls, "tenant": "bench"})):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                url = f"local://bench-cpu-{os.getpid()}-grpc"
+                proc = start_executor(a.model, url, "PASSIVE", ["--listen", f"grpc://127.0.0.1:{port}", *flags])
+                try:
+                    model = lora(virtualize(load_model(a.model).model, connect(f"grpc://127.0.0.1:{port}", **kw)))
+                    rows[f"symbiont over gRPC, {mode}"] = time_model(model, x, a.steps)
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
 
     base = rows["unsplit HF + PEFT"]
     out = {"model": a.model, "tokens": a.tokens, "cpus": os.cpu_count(), "torch": torch.__version__, "rows": rows}
