@@ -107,16 +107,15 @@ class NoiseMask:
             return None
         u = self._unit(ref, x.device)
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
-        rows = x.reshape(-1, x.shape[-1])
-        xf = rows.float()
-        rms = xf.pow(2).mean().sqrt()
+        rows = x.reshape(-1, x.shape[-1]).float()  # (no copy in float32)
+        rms = torch.linalg.vector_norm(rows) / rows.numel() ** 0.5
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
         c *= self.scale * rms / self.rank**0.5  # (noise RMS = scale x the input's)
-        noised = (xf + c @ basis).to(x.dtype).view(x.shape)
+        noised = torch.addmm(rows, c, basis).to(x.dtype).view(x.shape)
         y = send(noised)
-        # the effect of the noise that was sent (after rounding to the dtype): what the unit
-        # multiplied is `noised`, so subtract (noised - x) W^T's share that is noise
-        return (y.float() - (c @ effect).view(*y.shape[:-1], y.shape[-1])).to(y.dtype)
+        # the reply is (x + c basis) W^T (+ b): take away c (basis W^T), the effect of the noise
+        flat = y.reshape(-1, y.shape[-1]).float()
+        return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
 
 
 @dataclasses.dataclass
