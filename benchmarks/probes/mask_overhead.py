@@ -1,0 +1,87 @@
+"""What noise masking adds to one call, measured interleaved: plain and masked calls of S6's
+2048x2048 `q_proj` alternate on one connection, so both see the same host and the same executor
+(S6's rows come from separate executors one after another and move more than the difference).
+Over `local://` and loopback gRPC (plaintext; TLS adds the same to both), executor on the CPU, or
+on the GPU with --device cuda:0.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/mask_overhead.py [--device cuda:0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from s6_transport import HIDDEN, UNIT, make_model  # noqa: E402
+
+
+def main() -> int:
+    from symbiont import connect, wait_for_executor
+    from symbiont.client.privacy import NoiseMask
+    from symbiont.proto import executor_pb2 as pb
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", default="1,16,1024,4096")
+    p.add_argument("--rank", type=int, default=16)
+    a = p.parse_args()
+    dtype = torch.bfloat16 if a.device != "cpu" else torch.float32
+    tmp = tempfile.mkdtemp()
+    make_model(tmp)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = f"mask-{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", tmp, "--listen", f"local://{name}",
+         "--listen", f"grpc://127.0.0.1:{port}", "--insecure", "--device", a.device,
+         "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32", "--max-wait-us", "0", "--inference-wait-us", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_executor(f"local://{name}", 300, proc)
+    print(f"median us per call, {HIDDEN}x{HIDDEN}, rank {a.rank}, executor on {a.device}, tenant on the CPU")
+    print(f"{'transport':10s}{'tokens':>8s}{'plain':>12s}{'masked':>12s}{'ratio':>8s}")
+    try:
+        for url in (f"local://{name}", f"grpc://127.0.0.1:{port}"):
+            conn = connect(url)
+            conn.ensure_attached()
+            t = conn.transport
+            mask = NoiseMask(scale=1.0, rank=a.rank, effects="executor")
+            ref = SimpleNamespace(unit_id=UNIT, _kind="linear", _d_in=HIDDEN, _d_out=HIDDEN, _dtype=dtype, transport=t)
+            for n in (int(v) for v in a.tokens.split(",")):
+                x = torch.randn(n, HIDDEN, dtype=dtype)
+
+                def plain():
+                    return t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), dtype, pb.INFERENCE)
+
+                def masked():
+                    return mask.call(ref, x, pb.FORWARD, lambda v: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), dtype, pb.INFERENCE))
+
+                times = {plain: [], masked: []}
+                reps = 200 if n <= 16 or a.device != "cpu" else 30
+                for _ in range(reps):
+                    for f in (plain, masked):
+                        t0 = time.perf_counter()
+                        f()
+                        times[f].append(time.perf_counter() - t0)
+                mp, mm = (statistics.median(times[f]) * 1e6 for f in (plain, masked))
+                print(f"{url.split(':')[0]:10s}{n:8d}{mp:12.0f}{mm:12.0f}{mm / mp:8.2f}", flush=True)
+            conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
