@@ -171,7 +171,6 @@ class UnitRef:
     _shim_id: int
     _mask = None  # client.privacy.NoiseMask when this tenant masks its calls
 
-
     def _register(self) -> None:
         self._shim_id = next(_IDS)
         _SHIMS[self._shim_id] = self

@@ -271,7 +271,10 @@ class GrpcServer:
         future = loop.create_future()
 
         def done(error, y, event):  # (the data loop's thread)
-            loop.call_soon_threadsafe(_resolve, future, (error, y, event))
+            try:
+                loop.call_soon_threadsafe(_resolve, future, (error, y, event))
+            except RuntimeError:  # the listener has stopped: nobody waits for it
+                pass
 
         call.tag = RemoteDelivery(t, done)
         self.hub.submit_remote(call)

@@ -31,6 +31,7 @@ class Delivery:
     out_offset: int
     input_seq: int  # written to the mailbox's output word once the result is in place (0: none)
     stream: object = None  # the stream that runs the call; None: the data loop's
+    remote = False  # (a class attribute: transports/remote.py's RemoteDelivery says True)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -195,9 +196,9 @@ class LocalCalls:
         return found
 
     def _deliver(self, results: list[Result]) -> None:
-        if self.remote and any(getattr(r.call.tag, "remote", False) for r in results):  # (transports/remote.py)
-            self._deliver_remote([r for r in results if getattr(r.call.tag, "remote", False)])
-            results = [r for r in results if not getattr(r.call.tag, "remote", False)]
+        if any(r.call.tag.remote for r in results):  # (transports/remote.py: back through their tags)
+            self._deliver_remote([r for r in results if r.call.tag.remote])
+            results = [r for r in results if not r.call.tag.remote]
         told: dict[int, _Told] = {}  # by tenant id
         with self.lock:
             for r in results:
