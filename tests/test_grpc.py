@@ -267,3 +267,22 @@ def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):
     assert ref.keys() == got.keys() and ref
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_an_oversized_message_ends_only_its_own_stream(insecure):
+    """A message past the executor's limit (a chunk plus 1 MiB) is refused with RESOURCE_EXHAUSTED
+    on that stream; the same executor keeps serving another tenant."""
+    d = build_builtin("tiny-llama").config.hidden_size
+    with connect(insecure.grpc) as rogue, connect(insecure.grpc) as other:
+        rogue.ensure_attached()
+        other.ensure_attached()
+        big = pb.CallRequest(call_id=1, unit="model.layers.0.self_attn.o_proj", op=pb.FORWARD, dtype=pb.FLOAT32,
+                             shape=[6 << 20 >> 8, d], payload=b"\0" * (6 << 20))
+        rogue.transport._requests.put(big.SerializeToString())
+        with pytest.raises(grpc.RpcError) as info:
+            next(rogue.transport._replies)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        x = torch.randn(3, d)
+        y = other.transport.call("model.layers.0.self_attn.o_proj", pb.FORWARD, x, (3, d), torch.float32, pb.TRAINING)
+        with torch.no_grad():
+            torch.testing.assert_close(y, build_builtin("tiny-llama").model.layers[0].self_attn.o_proj(x))

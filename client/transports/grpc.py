@@ -202,5 +202,9 @@ def _unavailable(url: str, e: grpc.RpcError) -> Exception:
 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{url}: {e.details()}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # (a message over the size limit)
+        from symbiont.client.errors import ResourceExhaustedError
+
+        return ResourceExhaustedError(f"{url}: {e.details()}")
     return ExecutorUnavailableError(f"no executor answered at {url} ({code.name if code else 'error'}: "
                                     f"{e.details() if hasattr(e, 'details') else e})")
