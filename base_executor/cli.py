@@ -112,6 +112,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     grpc_servers = []
     if remote:
+        # a TLS handshake refused (a certificate of another CA, expired) never reaches our code:
+        # gRPC's core logs it ("Handshake failed ...") at INFO, which it must be set to before import
+        os.environ.setdefault("GRPC_VERBOSITY", "INFO")
         from symbiont.base_executor.transports.grpc_server import GrpcServer, GrpcServerConfig, read_credentials
 
         tokens = args.tokens

@@ -208,6 +208,7 @@ def test_certificates_of_another_ca_or_expired_never_get_in(secure, tls, tmp_pat
     # meanwhile the real alice is served
     with connect(secure.grpc, tls_dir=str(tls), tenant="alice") as conn:
         assert conn.catalog().model == "tiny-llama"
+    assert "Handshake failed" in secure.log()  # (gRPC's core logs the refused handshakes)
 
 
 def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
