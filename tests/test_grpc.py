@@ -262,12 +262,14 @@ def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):
     from symbiont.client.privacy import NoiseMask
     from tests.test_training import _train
 
+    start = {n: p.detach().clone() for n, p in lora_model("tiny-llama").named_parameters() if p.requires_grad}
     ref = _train(lora_model("tiny-llama"), tmp_path / "ref")
     mask = NoiseMask(scale=1.0, rank=8, weights=build_builtin("tiny-llama").state_dict())
     got = _train(virtualize(lora_model("tiny-llama"), connect(insecure.grpc), mask=mask), tmp_path / "virt")
     assert ref.keys() == got.keys() and ref
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    for n in ref:  # (the noise is fresh each run: AdamW's steps differ by up to 2e-5 of their size, seen)
+        moved = (ref[n] - start[n]).norm().item()
+        assert moved > 0 and (got[n] - ref[n]).norm().item() <= 1e-4 * moved, n
 
 
 def test_an_oversized_message_ends_only_its_own_stream(insecure):
