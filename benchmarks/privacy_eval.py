@@ -90,7 +90,7 @@ def attacks(mask: Recording, known: int) -> dict:
 
 
 def main() -> int:
-    from symbiont import connect, virtualize, wait_for_executor
+    from symbiont import virtualize, wait_for_executor
     from symbiont.base_executor.models import load_model
 
     def build_builtin(name):  # (a built-in random model or a checkpoint, e.g. smollm2-135m's real weights)

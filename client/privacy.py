@@ -18,9 +18,9 @@ Cost per unit: 2 k (d_in + d_out) values of the unit's dtype for the bases and e
 in float32, kept in it), and per call two GEMMs of [tokens, k] by [k, d]. Removing the noise is
 exact up to the rounding of the served dtype at the noised magnitude (tests/test_privacy.py,
 `tiny-llama`): in float32 logits and adapter gradients stay within 5e-6 x max(1, s) relative
-(the worst of 10 runs: gradients 1.6e-6 at s = 1, 3.0e-5 at s = 30; logits 5e-7 at s = 1); in bfloat16 within twice the bfloat16 model's own
-distance from float32 plus 4e-3 x s (measured 0.007 at s <= 0.1, 0.008 at 1, 0.037 at 10, the
-bfloat16 model being 0.006 from float32). Embeddings (ids) and whole-MLP calls are never
+(the worst of 10 runs: gradients 1.6e-6 at s = 1, 3.0e-5 at s = 30; logits 5e-7 at s = 1); in
+bfloat16 within twice the bfloat16 model's own distance from float32 plus 5e-3 x s (the worst of
+10 runs: 0.007 at s = 0.1, 0.008 at 1, 0.040 at 10, the bfloat16 model being 0.006 from float32). Embeddings (ids) and whole-MLP calls are never
 masked: virtualize(mask=...) calls an MLP's Linears one by one.
 """
 from __future__ import annotations

@@ -49,6 +49,22 @@ def view(buffer, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(tuple(shape))
 
 
+def from_bytes(data: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh tensor of `shape` and `dtype` from raw bytes (a gRPC payload); ValueError when the
+    byte count is not the shape's."""
+    want = nbytes(shape, dtype)
+    if len(data) != want:
+        raise ValueError(f"{len(data)} bytes; shape {list(shape)} in {NAME_OF.get(dtype, dtype)} needs {want}")
+    if not want:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a host tensor, in row-major order."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
 class ViewCache:
     """Memoised views of one data area: a call whose offset, shape and dtype match an earlier
     call's reuses that view (making one costs several torch calls; a lookup costs none).

@@ -76,7 +76,7 @@ def test_local_effects_cost_the_executor_no_call_and_whole_mlp_calls_stop():
     (the executor never gets the basis alone); effects='executor': two more per unit, once."""
     ref = build_builtin("tiny-llama")
     x = ids(1, 6)
-    counts = {}
+    counts, mask = {}, None
     with running_executor("tiny-llama") as ex:
         for how in ("plain", "local", "executor", "executor again"):
             with connect(ex.url) as conn:
@@ -102,7 +102,8 @@ def test_local_effects_cost_the_executor_no_call_and_whole_mlp_calls_stop():
 
 def test_masking_in_bfloat16_keeps_to_its_stated_tolerance():
     """bfloat16 rounds the noised input and the corrected output: the masked model stays within
-    twice the bfloat16 model's own distance from float32, plus 4e-3 x scale."""
+    twice the bfloat16 model's own distance from float32, plus 5e-3 x scale (the worst of 10 runs
+    at scale 10: 0.040, the bound 0.062)."""
     ref = build_builtin("tiny-llama", torch.bfloat16)
     x = ids(2, 9)
     with running_executor("tiny-llama", "--dtype", "bfloat16") as ex, torch.no_grad():
@@ -112,7 +113,7 @@ def test_masking_in_bfloat16_keeps_to_its_stated_tolerance():
             m = virtualize(build_builtin("tiny-llama", torch.bfloat16), ex.url,
                            mask=NoiseMask(scale=scale, rank=8, effects="local", weights=ref.state_dict()))
             err = rel(m(x).logits.float(), want)
-            assert err < 2 * rounding + 4e-3 * scale, (scale, err, rounding)
+            assert err < 2 * rounding + 5e-3 * scale, (scale, err, rounding)
 
 
 def test_mask_settings_are_checked():

@@ -24,7 +24,6 @@ import secrets
 import threading
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError, clip
@@ -283,7 +282,7 @@ class GrpcServer:
             return [pb.CallReply(call_id=req.call_id, status=error.status()).SerializeToString()]
         if event is not None:
             await loop.run_in_executor(None, event.synchronize)
-        data = y.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        data = codec.to_bytes(y)
         step = self.config.chunk_bytes
         head = dict(call_id=req.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape))
         if len(data) <= step:
@@ -300,11 +299,10 @@ class GrpcServer:
         if req.in_offset or req.out_offset or req.input_seq:
             raise CallError(pb.INVALID_ARGUMENT, "gRPC calls carry their tensor in payload: no mailbox offsets or input_seq")
         unit, in_shape, out_shape, dtype = core.check(req.unit, req.op, req.dtype, req.shape)
-        want = codec.nbytes(in_shape, dtype)
-        if len(payload) != want:
-            raise CallError(pb.INVALID_ARGUMENT, f"payload of {len(payload)} bytes; shape {list(req.shape)} in "
-                            f"{codec.NAME_OF[dtype]} needs {want}")
-        x = torch.frombuffer(bytearray(payload), dtype=dtype).view(in_shape) if want else torch.empty(in_shape, dtype=dtype)
+        try:
+            x = codec.from_bytes(payload, in_shape, dtype)
+        except ValueError as e:
+            raise CallError(pb.INVALID_ARGUMENT, f"payload of {e} (shape {list(req.shape)})") from None
         if unit.kind == "embedding":
             core.check_ids(unit, x)
         return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape,

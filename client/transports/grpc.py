@@ -18,7 +18,6 @@ import queue
 import threading
 
 import grpc
-import torch
 
 from symbiont.client.errors import ExecutorUnavailableError, MalformedMessageError, raise_for_status
 from symbiont.client.transport import Transport
@@ -153,7 +152,7 @@ class GrpcTransport(Transport):
         host = x.detach()
         if host.device.type != "cpu":
             host = host.cpu()
-        data = host.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        data = codec.to_bytes(host)
         head = self._request(unit, op, x, latency, call_id)
         n = max(1, (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES)
         for i in range(n):
@@ -179,9 +178,10 @@ class GrpcTransport(Transport):
         except StopIteration:
             self._requests = self._replies = None
             raise ExecutorUnavailableError(f"{self.url}: the executor ended this tenant's call stream") from None
-        dtype = codec.torch_dtype(first.dtype)
-        shape = tuple(first.shape)
-        y = torch.frombuffer(bytearray(b"".join(parts)), dtype=dtype).view(shape) if codec.nbytes(shape, dtype) else torch.empty(shape, dtype=dtype)
+        try:
+            y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
+        except ValueError as e:
+            raise MalformedMessageError(f"{self.url}: the result's {e}") from None
         if y.dtype != out_dtype or y.shape != tuple(out_shape):
             raise MalformedMessageError(f"{self.url}: result {tuple(y.shape)} {y.dtype}, expected {tuple(out_shape)} {out_dtype}")
         if x.device.type != "cpu":
