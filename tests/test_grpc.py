@@ -212,11 +212,10 @@ def test_certificates_of_another_ca_or_expired_never_get_in(secure, tls, tmp_pat
 
 
 def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
-    """The executor is stopped and started again on the same port between and inside training
-    steps: the tenant's calls wait, it attaches anew and its adapter ends where an unsplit run's
-    does (every call counted once: the executor keeps no state of a call)."""
-    import threading
-
+    """The executor is stopped and started again on the same port between two training steps, and
+    in the middle of one (between the first and second layer's calls of a forward): the tenant's
+    calls wait, it attaches anew and its adapter ends where an unsplit run's does (every call
+    counted once: the executor keeps no state of a call)."""
     from tests.conftest import Executor
 
     port = free_port()
@@ -227,26 +226,25 @@ def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
         ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(f"grpc://127.0.0.1:{port}"))
         opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, virt)]
 
-        def restart():
+        def restart(*_):
             nonlocal ex
             assert ex.stop() == 0
             ex = Executor("tiny-llama", *flags)
             restarted.append(ex)
 
+        layer = virt.get_base_model().model.layers[1]
         with pytest.warns(RuntimeWarning, match="attached again"):
             for step in range(4):
                 x = ids(2, 9, seed=step)
                 if step == 1:
                     restart()  # between steps
-                th = threading.Thread(target=restart) if step == 2 else None
+                hook = layer.register_forward_pre_hook(restart) if step == 2 else None  # inside one
                 for m, opt in zip((ref, virt), opts):
                     opt.zero_grad()
-                    if th is not None and m is virt:
-                        th.start()  # (while this step's calls go)
                     m(input_ids=x, labels=x).loss.backward()
                     opt.step()
-                if th is not None:
-                    th.join()
+                if hook is not None:
+                    hook.remove()
         assert len(restarted) == 2
         want, got = dict(ref.named_parameters()), dict(virt.named_parameters())
         for name, p in want.items():
