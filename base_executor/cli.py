@@ -165,7 +165,8 @@ def _warn_without_mps(log: logging.Logger) -> None:
     if not _mps_running():
         log.warning(
             "CUDA MPS is not running: tenants on this GPU will time-slice with the executor (measured on an "
-            "H100: ~370 us per call instead of ~81 us). Start it before the executor and the tenants: "
+            "H100: a same-GPU round trip's floor is 308 us without MPS against 40 us with it; benchmarks/RESULTS.md, "
+            "S6). Start it before the executor and the tenants: "
             "export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
             "mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d"
         )

@@ -2,7 +2,7 @@
 to fixed places of its device mailbox, so its GEMMs (one for a Linear, five to ten kernels for an
 MLP unit) can be captured once per (unit, op, shape, offsets) and replayed after: one graph
 launch instead of a launch through torch per kernel, which is most of the executor's host time
-per call on a slow host (BENCHMARKS.md, S6).
+per call on a slow host (benchmarks/RESULTS.md, S6).
 
 A replay runs the kernels the eager ops chose when captured, so its result is bitwise the eager
 one (tests/test_gpu.py compares them). One CallGraphs holds the graphs of one data area on one
