@@ -60,6 +60,21 @@ def from_bytes(data: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
 
 
+GRPC_CHUNK_BYTES = 4 << 20  # the most payload bytes in one gRPC message (the executor's default)
+
+
+def grpc_message_limit(chunk_bytes: int = GRPC_CHUNK_BYTES) -> int:
+    """The gRPC message size limit both sides set: a chunk of payload and its header."""
+    return chunk_bytes + (1 << 20)
+
+
+def chunks(data: bytes, size: int) -> list[tuple[bytes, bool]]:
+    """data cut into pieces of at most `size` bytes, each with whether more follow (one empty
+    piece for no data)."""
+    n = max(1, (len(data) + size - 1) // size)
+    return [(data[i * size : (i + 1) * size], i < n - 1) for i in range(n)]
+
+
 def to_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of a host tensor, in row-major order."""
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError, clip
 from symbiont.base_executor.scheduler import Call
+from symbiont.base_executor.transports.local_control import control_error
 from symbiont.base_executor.transports.remote import RemoteDelivery, RemoteTenant
 from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
@@ -47,7 +48,7 @@ class GrpcServerConfig:
     """token -> tenant name; empty: no credential asked (only with insecure)."""
     insecure: bool = False
     """Serve without TLS (the provider said --insecure)."""
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = codec.GRPC_CHUNK_BYTES
     """The most payload bytes in one message."""
     max_call_bytes: int = 1 << 30
     """The most payload bytes of one call (all its chunks)."""
@@ -121,7 +122,7 @@ class GrpcServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        limit = self.config.chunk_bytes + (1 << 20)  # a chunk and its header
+        limit = codec.grpc_message_limit(self.config.chunk_bytes)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         raw = dict(request_deserializer=None, response_serializer=None)  # bytes: a malformed message gets a typed reply
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
@@ -168,12 +169,12 @@ class GrpcServer:
             req = pb.ControlRequest.FromString(data)
         except DecodeError as e:
             log.warning("gRPC control request from %s malformed: %s", context.peer(), e)
-            return _status(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
+            return control_error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}").SerializeToString()
         try:
             return self._control(req, context).SerializeToString()
         except Exception as e:  # a bug must not kill the control plane
             log.exception("gRPC control request failed")
-            return _status(pb.INTERNAL, clip(f"{type(e).__name__}: {e}"))
+            return control_error(pb.INTERNAL, clip(f"{type(e).__name__}: {e}")).SerializeToString()
 
     def _control(self, req: pb.ControlRequest, context) -> pb.ControlReply:
         kind = req.WhichOneof("kind")
@@ -193,7 +194,7 @@ class GrpcServer:
             return reply
         if kind == "attach":
             if self.hub.stopping.is_set():
-                return pb.ControlReply(status=pb.Status(code=pb.UNAVAILABLE, message="executor is shutting down"))
+                return control_error(pb.UNAVAILABLE, "executor is shutting down")
             a = req.attach
             try:
                 t = self.hub.attach_remote(a.tenant_name, context.peer(), name, a.default_latency)
@@ -202,14 +203,13 @@ class GrpcServer:
             return pb.ControlReply(status=_OK, attach=pb.AttachReply(tenant_id=t.id, token=t.token))
         t = self.hub.remote_tenant(req.tenant_id, req.token)
         if t is None or t.credential_name != name:
-            return pb.ControlReply(status=pb.Status(code=pb.NOT_ATTACHED, message=f"tenant {req.tenant_id} is not attached "
-                                                    "(never attached, detached, or reclaimed)"))
+            return control_error(pb.NOT_ATTACHED, f"tenant {req.tenant_id} is not attached (never attached, detached, or reclaimed)")
         if kind == "detach":
             self.hub.detach_remote(t, "detach requested")
             return pb.ControlReply(status=_OK)
         if kind == "grow":
-            return pb.ControlReply(status=pb.Status(code=pb.INVALID_ARGUMENT, message="gRPC tenants have no mailbox to grow"))
-        return pb.ControlReply(status=pb.Status(code=pb.INVALID_ARGUMENT, message=f"unknown control request {kind}"))
+            return control_error(pb.INVALID_ARGUMENT, "gRPC tenants have no mailbox to grow")
+        return control_error(pb.INVALID_ARGUMENT, f"unknown control request {kind}")
 
     # ---- calls --------------------------------------------------------------------
 
@@ -282,16 +282,10 @@ class GrpcServer:
             return [pb.CallReply(call_id=req.call_id, status=error.status()).SerializeToString()]
         if event is not None:
             await loop.run_in_executor(None, event.synchronize)
-        data = codec.to_bytes(y)
-        step = self.config.chunk_bytes
         head = dict(call_id=req.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape))
-        if len(data) <= step:
-            return [pb.CallReply(payload=data, **head).SerializeToString()]
-        n = (len(data) + step - 1) // step
         return [
-            pb.CallReply(payload=data[i * step : (i + 1) * step], more=i < n - 1, **(head if i == 0 else {"call_id": req.call_id}))
-            .SerializeToString()
-            for i in range(n)
+            pb.CallReply(payload=piece, more=more, **(head if i == 0 else {"call_id": req.call_id})).SerializeToString()
+            for i, (piece, more) in enumerate(codec.chunks(codec.to_bytes(y), self.config.chunk_bytes))
         ]
 
     def _to_call(self, t: RemoteTenant, req: pb.CallRequest, payload: bytes) -> Call:
@@ -314,10 +308,5 @@ def _resolve(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-def _status(code: int, message: str) -> bytes:
-    return pb.ControlReply(status=pb.Status(code=code, message=message)).SerializeToString()
-
-
-def _call_status(call_id: int, code: int, message: str, retry_after_s: float = 0.0) -> bytes:
-    status = pb.Status(code=code, message=clip(message), retry_after_us=int(retry_after_s * 1e6))
-    return pb.CallReply(call_id=call_id, status=status).SerializeToString()
+def _call_status(call_id: int, code: int, message: str) -> bytes:
+    return pb.CallReply(call_id=call_id, status=CallError(code, message).status()).SerializeToString()

@@ -70,10 +70,10 @@ class LocalControl:
         try:
             req = pb.ControlRequest.FromString(payload)
         except DecodeError as e:
-            return _error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
+            return control_error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
         kind = req.WhichOneof("kind")
         if kind is None:
-            return _error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health")
+            return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health")
         if kind == "health":
             return pb.ControlReply(
                 status=_OK,
@@ -91,33 +91,33 @@ class LocalControl:
         if kind == "stats":
             return pb.ControlReply(status=_OK, stats=self._stats())
         if self.stopping.is_set():
-            return _error(pb.UNAVAILABLE, "executor is shutting down")
+            return control_error(pb.UNAVAILABLE, "executor is shutting down")
         if kind == "attach":
             return self._attach(req.attach)
         with self.lock:
             t = self.tenants.get(req.tenant_id)
             if t is None or not secrets.compare_digest(t.token, req.token):
-                return _error(pb.NOT_ATTACHED, f"tenant {req.tenant_id} is not attached (never attached, detached, or reclaimed)")
+                return control_error(pb.NOT_ATTACHED, f"tenant {req.tenant_id} is not attached (never attached, detached, or reclaimed)")
             if kind == "detach":
                 self._reclaim(t, "detach requested")
                 return pb.ControlReply(status=_OK)
             if kind == "grow":
                 return self._grow(t, req.grow.data_bytes)
-        return _error(pb.INTERNAL, f"unhandled control request {kind}")
+        return control_error(pb.INTERNAL, f"unhandled control request {kind}")
 
     def _attach(self, a: pb.AttachRequest) -> pb.ControlReply:
         if a.pid <= 0:
-            return _error(pb.INVALID_ARGUMENT, f"attach needs the tenant's pid, got {a.pid}")
+            return control_error(pb.INVALID_ARGUMENT, f"attach needs the tenant's pid, got {a.pid}")
         owner = owner_of(a.pid)
         if not owner_alive(owner):
-            return _error(pb.INVALID_ARGUMENT, f"attach names pid {a.pid}, which is no process on this host")
+            return control_error(pb.INVALID_ARGUMENT, f"attach names pid {a.pid}, which is no process on this host")
         size = a.mailbox_bytes or self.config.mailbox_bytes
         on_gpu = bool(a.device_uuid) and a.device_uuid == self.catalog.device_uuid
         if size > self.config.max_mailbox_bytes:
-            return _error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
+            return control_error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
         with self.lock:
             if len(self.tenants) >= self.config.max_tenants:
-                return _error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
+                return control_error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
             tid = self._next_id
             self._next_id += 1
             areas = self.areas.new(tid, owner, size, on_gpu)
@@ -144,7 +144,7 @@ class LocalControl:
 
     def _grow(self, t: Tenant, data_bytes: int) -> pb.ControlReply:
         if data_bytes > self.config.max_mailbox_bytes:
-            return _error(
+            return control_error(
                 pb.RESOURCE_EXHAUSTED,
                 f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
             )
@@ -238,5 +238,5 @@ def _cuda_region(areas: Areas) -> pb.CudaRegion | None:
     )
 
 
-def _error(code: int, message: str) -> pb.ControlReply:
+def control_error(code: int, message: str) -> pb.ControlReply:
     return pb.ControlReply(status=pb.Status(code=code, message=message))

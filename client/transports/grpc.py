@@ -25,8 +25,7 @@ from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
 
 SERVICE = "/symbiont.Executor/"
-CHUNK_BYTES = 4 << 20  # the most payload bytes in one message (the executor's default)
-_MESSAGE_LIMIT = CHUNK_BYTES + (1 << 20)
+_MESSAGE_LIMIT = codec.grpc_message_limit()
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -154,11 +153,9 @@ class GrpcTransport(Transport):
             host = host.cpu()
         data = codec.to_bytes(host)
         head = self._request(unit, op, x, latency, call_id)
-        n = max(1, (len(data) + CHUNK_BYTES - 1) // CHUNK_BYTES)
-        for i in range(n):
+        for i, (piece, more) in enumerate(codec.chunks(data, codec.GRPC_CHUNK_BYTES)):
             msg = head if i == 0 else pb.CallRequest(call_id=call_id)
-            msg.payload = data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
-            msg.more = i < n - 1
+            msg.payload, msg.more = piece, more
             self._requests.put(msg.SerializeToString())
         parts, first = [], None
         try:
