@@ -7,7 +7,9 @@ per call on a slow host (benchmarks/RESULTS.md, S6).
 A replay runs the kernels the eager ops chose when captured, so its result is bitwise the eager
 one (tests/test_gpu.py compares them). One CallGraphs holds the graphs of one data area on one
 stream: replays on one stream never overlap, so its graphs share one memory pool for their
-intermediates (an MLP unit's), the pool holding the largest of them. A graph uses the cuBLAS
+intermediates (an MLP unit's), the pool holding the largest of them. The eager calls on that
+stream allocate from the same pool: otherwise each tenant's stream kept a second cache of the
+same intermediates in torch's allocator (benchmarks/RESULTS.md, "Memory per tenant"). A graph uses the cuBLAS
 workspace of the stream it was captured on, so it is captured on the stream it is replayed on;
 the legacy default stream cannot be captured, so its graphs are captured on a side stream whose
 workspace nothing else uses. The eager ops stay the slow twin: a call is run eagerly the first
@@ -51,7 +53,8 @@ class CallGraphs:
         self.max_tokens = max_tokens
         self.counters = counters
         self._side_stream = side_stream
-        self._pool = None
+        self._pool: torch.cuda.MemPool | None = None
+        self._side = None  # the graph pool on the side stream
         self._entries: dict[object, _Entry] = {}
         self.on_drop = None  # called with a key whose graph goes (beyond MAX_GRAPHS), before it goes
 
@@ -91,7 +94,18 @@ class CallGraphs:
                 self.counters.graph_captures += 1
                 self.counters.graph_replays += 1
                 return e.y
-        return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream == 0:  # (its graphs are captured on the side stream, whose blocks it cannot share)
+            return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+        with torch.cuda.use_mem_pool(self._memory(), self.device):
+            return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+
+    def _memory(self) -> torch.cuda.MemPool:
+        """The pool of this stream's graphs and eager calls (every use is on the one stream, so
+        a block freed by one call is free for the next, graphed or not)."""
+        if self._pool is None:
+            self._pool = torch.cuda.MemPool()
+        return self._pool
 
     def _capturable(self, call: Call) -> bool:
         if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, MLP):
@@ -103,14 +117,13 @@ class CallGraphs:
         """Captures the call's ops (nothing runs); the caller replays the graph."""
         stream = torch.cuda.current_stream(self.device)
         on = stream if stream.cuda_stream != 0 else self._side_stream
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._memory().id if on is stream else self._side_pool()  # (the side stream's graphs: a pool of their own)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.set_stream(on)
         try:
             # thread_local: the control thread may allocate meanwhile (an attach), which a global
             # capture would refuse
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 runner.run(call.unit, call.op, call.x, exact, call.out)
             finally:
@@ -119,7 +132,12 @@ class CallGraphs:
             torch.cuda.set_stream(stream)
         return graph
 
+    def _side_pool(self):
+        if self._side is None:
+            self._side = torch.cuda.graph_pool_handle()
+        return self._side
+
     def close(self) -> None:
         """Drops every graph and, with the last, the pool; no replay may still be running."""
         self._entries.clear()
-        self._pool = None
+        self._pool = self._side = None

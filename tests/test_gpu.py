@@ -635,6 +635,16 @@ def test_gpu_executor_mailbox_grows_mid_run(device):
             assert y.device == x.device
             torch.testing.assert_close(y.cpu(), ref(x.cpu()).detach(), rtol=1e-4, atol=1e-4)
         conn.close()
+        # with split_bytes below the call, the call goes in chunks of rows and the mailbox stays
+        with connect(ex.url) as conn:
+            conn.transport.split_bytes = 512 << 10
+            conn.ensure_attached(device)
+            for tokens in (9000, 5, 9000):
+                x = torch.randn(3, tokens // 3, unit.in_features, device=device)
+                y = conn.transport.call(unit.id, pb.FORWARD, x, (3, tokens // 3, unit.out_features), torch.float32, pb.INFERENCE)
+                torch.testing.assert_close(y.cpu(), ref(x.cpu()).detach(), rtol=1e-4, atol=1e-4)
+            conn.transport.confirm()
+            assert conn.transport._data_bytes == 1 << 20
 
 
 def test_gpu_tenant_attaching_before_any_cuda_work():

@@ -136,3 +136,29 @@ def test_long_error_message_is_a_typed_error_not_a_detach(executor):
         virt = virtualize(build_builtin("tiny-llama"), conn)  # the same tenant is still attached and served
         with torch.no_grad():
             assert torch.equal(virt(ids(1, 5)).logits, build_builtin("tiny-llama")(ids(1, 5)).logits)
+
+
+def test_calls_bigger_than_split_bytes_go_in_chunks_of_rows():
+    """A call that needs more mailbox than the tenant has and more than `split_bytes` is made as
+    calls of as many rows as fit, its results put together in one output: the same logits and
+    adapter gradients as the unsplit model, and the mailbox never grows (without splitting, it
+    grows to the whole call)."""
+    from tests.conftest import running_executor
+
+    x = ids(2, 600, seed=4)  # logits of 1200 tokens x 256 x 4 bytes: more than the 1 MiB mailbox
+    ref = lora_model("tiny-llama")
+    ref(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        want = ref(input_ids=x).logits
+    with running_executor("tiny-llama", "--mailbox-mb", "1") as ex:
+        for split in (256 << 10, 0):
+            with connect(ex.url) as conn:
+                conn.transport.split_bytes = split
+                virt = virtualize(lora_model("tiny-llama"), conn)
+                virt(input_ids=x, labels=x).loss.backward()
+                assert_grads_close(lora_grads(ref), lora_grads(virt))
+                with torch.no_grad():
+                    got = virt(input_ids=x).logits
+                assert torch.equal(want, got), f"split {split}: max |diff| {(want - got).abs().max().item():.3e}"
+                grew = conn.transport._data_bytes > 1 << 20
+                assert grew == (split == 0), (split, conn.transport._data_bytes)

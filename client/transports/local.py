@@ -14,6 +14,7 @@ reply.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -28,13 +29,18 @@ from symbiont.client.transports.control import ControlChannel
 from symbiont.client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
 from symbiont.client.transports.unanswered import Sent, Unanswered, reply_error
 from symbiont.client.transports.words import StreamOrder, start_watchdog
-from symbiont.proto import mailbox, urls
+from symbiont.proto import codec, mailbox, urls
 from symbiont.proto.procs import alive
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto._doorbell import Doorbell
 
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
+# A call that needs a bigger mailbox than this is made in chunks of rows that fit, not by growing
+# the mailbox to it: every unit is row-wise (a token's output depends on that token's input only).
+# A llama-1b training step's logits (2 x 512 tokens x 128256) would otherwise keep a 271 MiB
+# mailbox per tenant on the executor (benchmarks/RESULTS.md, "Memory per tenant").
+SPLIT_BYTES = 64 << 20
 
 
 class LocalTransport(LocalCalls, Transport):
@@ -49,6 +55,7 @@ class LocalTransport(LocalCalls, Transport):
         self._gone = ""  # why the watchdog found the executor gone or us detached
         self._watchdog = None  # its thread, once a mailbox had an output word
         self._max_data = 0
+        self.split_bytes = SPLIT_BYTES  # calls needing more mailbox than this go in chunks of rows (0: never)
         self.return_early = True  # same GPU: a call returns before its reply (False: it waits for it)
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
@@ -130,8 +137,33 @@ class LocalTransport(LocalCalls, Transport):
                 f"call needs {need} bytes of mailbox, the executor at {self.url} allows at most {self._max_data} "
                 "(split the batch, or start the executor with a larger --max-mailbox-mb)"
             )
-        want = min(max(need, 2 * self._data_bytes), self._max_data)
+        double = 2 * self._data_bytes if not self.split_bytes else min(2 * self._data_bytes, self.split_bytes)
+        want = min(max(need, double), self._max_data)
         self._map(self.control("grow", pb.GrowRequest(data_bytes=want)).grow)
+
+    def _rows_per_chunk(self, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> int:
+        """How many rows (the leading dims x and the result share) each chunk of a call takes when
+        the call needs more mailbox than we have and more than split_bytes; 0: one whole call."""
+        in_bytes, out_bytes = x.numel() * x.element_size(), codec.nbytes(out_shape, out_dtype)
+        lead = out_shape[:-1]
+        rows = math.prod(lead)
+        if (not self.split_bytes or mailbox.align(in_bytes) + out_bytes <= max(self._data_bytes, self.split_bytes)
+                or rows < 2 or tuple(x.shape[: len(lead)]) != lead):
+            return 0
+        per_row = -(-(in_bytes + out_bytes) // rows)
+        return max(1, (self.split_bytes - mailbox.align(1)) // per_row)
+
+    def _call_in_rows(self, unit, op, x, out_shape, out_dtype, latency, take, chunk: int):
+        """One call as calls of `chunk` rows each, every result copied into its rows of one output."""
+        lead = out_shape[:-1]
+        rows = math.prod(lead)
+        xs = x.reshape(rows, *x.shape[len(lead):])
+        y = torch.empty((rows, out_shape[-1]), dtype=out_dtype, device=x.device)
+        for i in range(0, rows, chunk):
+            part = y[i : i + chunk]
+            self._call(unit, op, xs[i : i + chunk], tuple(part.shape), out_dtype, latency, take=part.copy_)
+        y = y.view(out_shape)
+        return y if take is None else take(y)
 
     def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
         if self._box is None:
@@ -156,7 +188,12 @@ class LocalTransport(LocalCalls, Transport):
             elsewhere = self._order is not None and x.device != self._order.device
             self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
         key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
-        plan = self._plans.get(key) or self._plan(key, x)  # (a grow maps another mailbox)
+        plan = self._plans.get(key)
+        if plan is None:
+            chunk = self._rows_per_chunk(x, out_shape, out_dtype)
+            if chunk:
+                return self._call_in_rows(unit, op, x, out_shape, out_dtype, latency, take, chunk)
+            plan = self._plan(key, x)  # (a grow maps another mailbox)
         if native and self._lane is not None:
             return self._send(x, plan, key, take)
         x = x.detach().contiguous()
