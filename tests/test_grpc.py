@@ -254,6 +254,62 @@ def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
         ex.stop()
 
 
+def test_a_call_in_flight_when_the_executor_dies_is_made_again():
+    """The executor is frozen (SIGSTOP) inside a forward, so the tenant's next call is sent and
+    gets no reply; then it is killed (SIGKILL, no shutdown) and started again. The call in flight
+    is made again on the new executor, and the adapter ends where an unsplit run's does (every
+    call counted once in effect: the executor keeps no state of a call)."""
+    import signal
+    import threading
+
+    from tests.conftest import Executor
+
+    port = free_port()
+    flags = ("--listen", f"grpc://127.0.0.1:{port}", "--insecure")
+    executors = [Executor("tiny-llama", *flags)]
+    frozen, threads = threading.Event(), []
+
+    def freeze_then_kill(*_):
+        old = executors[-1]
+        os.kill(old.pid, signal.SIGSTOP)
+
+        def later():
+            time.sleep(0.5)  # (the tenant's next call is sent by now, and waits)
+            frozen.set()
+            old.proc.kill()
+            old.proc.wait()
+            executors.append(Executor("tiny-llama", *flags))
+
+        threads.append(threading.Thread(target=later, daemon=True))
+        threads[-1].start()
+
+    try:
+        ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(f"grpc://127.0.0.1:{port}"))
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, virt)]
+        layer = virt.get_base_model().model.layers[1]
+        with pytest.warns(RuntimeWarning, match="attached again"):
+            for step in range(3):
+                x = ids(2, 9, seed=step)
+                hook = layer.register_forward_pre_hook(freeze_then_kill) if step == 1 else None
+                for m, opt in zip((ref, virt), opts):
+                    opt.zero_grad()
+                    m(input_ids=x, labels=x).loss.backward()
+                    opt.step()
+                if hook is not None:
+                    hook.remove()
+        threads[0].join(60)  # (it appends the new executor once that one has said it is up)
+        assert frozen.is_set() and len(executors) == 2
+        want, got = dict(ref.named_parameters()), dict(virt.named_parameters())
+        for name, p in want.items():
+            if p.requires_grad:
+                torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        for ex in executors:
+            if ex.alive():
+                os.kill(ex.pid, signal.SIGCONT)
+            ex.stop()
+
+
 def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):
     """The HF Trainer fine-tunes a LoRA tenant over gRPC, its calls noise-masked: the adapter ends
     where the unsplit run's does."""
