@@ -20,7 +20,8 @@ exact up to the rounding of the served dtype at the noised magnitude (tests/test
 `tiny-llama`): in float32 logits and adapter gradients stay within 5e-6 x max(1, s) relative
 (the worst of 10 runs: gradients 1.6e-6 at s = 1, 3.0e-5 at s = 30; logits 5e-7 at s = 1); in
 bfloat16 within twice the bfloat16 model's own distance from float32 plus 5e-3 x s (the worst of
-10 runs: 0.007 at s = 0.1, 0.008 at 1, 0.040 at 10, the bfloat16 model being 0.006 from float32). Embeddings (ids) and whole-MLP calls are never
+10 runs: 0.007 at s = 0.1, 0.008 at 1, 0.040 at 10, the bfloat16 model being 0.006 from float32;
+0.048 at 10 for calls of LOW_NOISE_MIN values or more, whose noise is made in bfloat16). Embeddings (ids) and whole-MLP calls are never
 masked: virtualize(mask=...) calls an MLP's Linears one by one.
 """
 from __future__ import annotations
@@ -33,6 +34,10 @@ import torch
 from symbiont.proto import executor_pb2 as pb
 
 MASKED_KINDS = ("linear", "conv1d")
+# From this many values a bfloat16 (float16) call's noise is made in its own dtype: float32 copies
+# of a big input cost more than the GEMM (tenant's cost at 4096 x 2048 bf16, 2-core VM: 62 -> 37 ms);
+# below it the casts cost more than they save.
+LOW_NOISE_MIN = 1 << 18
 
 
 @dataclasses.dataclass
@@ -90,14 +95,15 @@ class NoiseMask:
         k = self.rank
         n = torch.randn(k, ref._d_in, generator=g, device=device)
         m = torch.randn(k, ref._d_out, generator=g, device=device) if self.backward else None
+        dt = ref._dtype  # the bases are values of the unit's dtype: what its GEMMs take, exactly
+        n, m = n.to(dt).float(), (m.to(dt).float() if m is not None else None)
         if self.effects == "local":
             w = self._weight(ref.unit_id, ref._kind, device)
             e, f = n @ w.T, (m @ w if m is not None else None)
         else:  # the executor's, through the unit itself (it sees the bases once)
-            t, dt = ref.transport, ref._dtype
+            t = ref.transport
             e = t.call(ref.unit_id, pb.FORWARD_NO_BIAS, n.to(dt), (k, ref._d_out), dt, pb.TRAINING).float()
             f = t.call(ref.unit_id, pb.BACKWARD, m.to(dt), (k, ref._d_in), dt, pb.TRAINING).float() if m is not None else None
-            n, m = n.to(dt).float(), (m.to(dt).float() if m is not None else None)  # (what the executor multiplied)
         u = self._units[ref.unit_id] = _UnitNoise(device, n, e, m, f)
         return u
 
@@ -107,12 +113,16 @@ class NoiseMask:
             return None
         u = self._unit(ref, x.device)
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
-        rows = x.reshape(-1, x.shape[-1]).float()  # (no copy in float32)
-        rms = torch.linalg.vector_norm(rows) / rows.numel() ** 0.5
+        rows = x.reshape(-1, x.shape[-1])
+        rms = torch.linalg.vector_norm(rows, dtype=torch.float32) / rows.numel() ** 0.5
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
         c *= self.scale * rms / self.rank**0.5  # (noise RMS = scale x the input's)
-        noised = torch.addmm(rows, c, basis).to(x.dtype).view(x.shape)
-        y = send(noised)
+        if x.dtype == torch.float32 or rows.numel() < LOW_NOISE_MIN:
+            noised = torch.addmm(rows.float(), c, basis).to(x.dtype)  # (no copy in float32)
+        else:  # the noise from a GEMM in x's dtype (float32 accumulation), added in it: one pass over x
+            low = c.to(x.dtype)
+            noised, c = torch.mm(low, u.low(basis, x.dtype)).add_(rows), low.float()
+        y = send(noised.view(x.shape))
         # the reply is (x + c basis) W^T (+ b): take away c (basis W^T), the effect of the noise
         flat = y.reshape(-1, y.shape[-1]).float()
         return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
@@ -125,3 +135,11 @@ class _UnitNoise:
     e: torch.Tensor  # [k, d_out] its effect, n W^T
     m: torch.Tensor | None  # [k, d_out] backward basis
     f: torch.Tensor | None  # [k, d_in]  its effect, m W
+    _low: dict = dataclasses.field(default_factory=dict)
+
+    def low(self, basis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A basis in the unit's dtype (its values are that dtype's already: exact), made once."""
+        v = self._low.get((id(basis), dtype))
+        if v is None:
+            v = self._low[(id(basis), dtype)] = basis.to(dtype)
+        return v
