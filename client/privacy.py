@@ -21,7 +21,7 @@ exact up to the rounding of the served dtype at the noised magnitude (tests/test
 (the worst of 10 runs: gradients 1.6e-6 at s = 1, 3.0e-5 at s = 30; logits 5e-7 at s = 1); in
 bfloat16 within twice the bfloat16 model's own distance from float32 plus 5e-3 x s (the worst of
 10 runs: 0.007 at s = 0.1, 0.008 at 1, 0.040 at 10, the bfloat16 model being 0.006 from float32;
-0.048 at 10 for calls of LOW_NOISE_MIN values or more, whose noise is made in bfloat16). Embeddings (ids) and whole-MLP calls are never
+0.050 at 10 for calls of LOW_NOISE_MIN values or more, masked by GEMMs in bfloat16). Embeddings (ids) and whole-MLP calls are never
 masked: virtualize(mask=...) calls an MLP's Linears one by one.
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 from symbiont.proto import executor_pb2 as pb
 
 MASKED_KINDS = ("linear", "conv1d")
-# From this many values a bfloat16 (float16) call's noise is made in its own dtype: float32 copies
-# of a big input cost more than the GEMM (tenant's cost at 4096 x 2048 bf16, 2-core VM: 62 -> 37 ms);
-# below it the casts cost more than they save.
+# From this many values a bfloat16 (float16) call's noise and its removal are GEMMs in its own
+# dtype: float32 copies of a big input and reply cost more than the GEMMs (the tenant's masking at
+# 4096 x 2048 bf16 on the 2-core VM: 62 ms with them); below it the casts cost more than they save.
 LOW_NOISE_MIN = 1 << 18
 
 
@@ -114,18 +114,22 @@ class NoiseMask:
         u = self._unit(ref, x.device)
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
         rows = x.reshape(-1, x.shape[-1])
-        rms = torch.linalg.vector_norm(rows, dtype=torch.float32) / rows.numel() ** 0.5
+        low = x.dtype != torch.float32 and rows.numel() >= LOW_NOISE_MIN
+        # (a float32 reduction over a big bf16 tensor took 16 ms at 4096 x 2048; in its dtype, 1 ms)
+        rms = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
+        rms = rms / rows.numel() ** 0.5
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
         c *= self.scale * rms / self.rank**0.5  # (noise RMS = scale x the input's)
-        if x.dtype == torch.float32 or rows.numel() < LOW_NOISE_MIN:
-            noised = torch.addmm(rows.float(), c, basis).to(x.dtype)  # (no copy in float32)
-        else:  # the noise from a GEMM in x's dtype (float32 accumulation), added in it: one pass over x
-            low = c.to(x.dtype)
-            noised, c = torch.mm(low, u.low(basis, x.dtype)).add_(rows), low.float()
-        y = send(noised.view(x.shape))
-        # the reply is (x + c basis) W^T (+ b): take away c (basis W^T), the effect of the noise
-        flat = y.reshape(-1, y.shape[-1]).float()
-        return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
+        if not low:
+            y = send(torch.addmm(rows.float(), c, basis).to(x.dtype).view(x.shape))  # (no copy in float32)
+            # the reply is (x + c basis) W^T (+ b): take away c (basis W^T), the effect of the noise
+            flat = y.reshape(-1, y.shape[-1]).float()
+            return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
+        # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
+        # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
+        c = c.to(x.dtype)
+        y = send(torch.addmm(rows, c, u.low(basis, x.dtype)).view(x.shape))
+        return torch.addmm(y.reshape(-1, y.shape[-1]), c, u.low(effect, y.dtype), alpha=-1).view(y.shape)
 
 
 @dataclasses.dataclass
@@ -138,7 +142,7 @@ class _UnitNoise:
     _low: dict = dataclasses.field(default_factory=dict)
 
     def low(self, basis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A basis in the unit's dtype (its values are that dtype's already: exact), made once."""
+        """A basis or effect in the unit's dtype (a basis's values are that dtype's already), made once."""
         v = self._low.get((id(basis), dtype))
         if v is None:
             v = self._low[(id(basis), dtype)] = basis.to(dtype)

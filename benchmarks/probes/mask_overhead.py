@@ -4,7 +4,7 @@
 Over `local://` and loopback gRPC (plaintext; TLS adds the same to both), executor on the CPU, or
 on the GPU with --device cuda:0.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/mask_overhead.py [--device cuda:0]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/mask_overhead.py [--device cuda:0] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", default="1,16,1024,4096")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on a GPU, else float32")
     a = p.parse_args()
-    dtype = torch.bfloat16 if a.device != "cpu" else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if a.device != "cpu" else torch.float32
     tmp = tempfile.mkdtemp()
     make_model(tmp)
     with socket.socket() as s:
