@@ -269,9 +269,9 @@ def make_shim(module: nn.Module, mixin: type, unit: pb.UnitInfo, transport, dtyp
     state["_buffers"] = dict(module._buffers)
     state["_modules"] = {}
     shim.__dict__.update(state)
-    for pname, p in module.named_parameters(recurse=False):
-        placeholder = RemoteWeight(p.shape, dtype, device, unit.id, transport.url)
-        shim._parameters[pname] = nn.Parameter(placeholder, requires_grad=False)
+    for pname, p in module._parameters.items():  # (a None one stays None: an nn.Linear without bias has `bias`)
+        placeholder = None if p is None else RemoteWeight(p.shape, dtype, device, unit.id, transport.url)
+        shim._parameters[pname] = None if p is None else nn.Parameter(placeholder, requires_grad=False)
     shim.unit_id = unit.id
     shim.transport = transport
     shim._kind = unit.kind

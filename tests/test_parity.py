@@ -124,6 +124,40 @@ def test_other_peft_methods_after_get_peft_model(executor, method):
         assert torch.equal(ref(input_ids=x).logits, virt(input_ids=x).logits)
 
 
+ADAPTER_METHODS = {  # PEFT methods that only call their base layers' forwards (tiny-llama, q and v)
+    "rslora": lambda peft: peft.LoraConfig(r=4, use_rslora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    "loha": lambda peft: peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False),
+    "lokr": lambda peft: peft.LoKrConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False),
+    "oft": lambda peft: peft.OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"], init_weights=False),
+    "boft": lambda peft: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"], init_weights=False),
+    "ia3": lambda peft: peft.IA3Config(target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                                       init_ia3_weights=False),
+    "vera": lambda peft: peft.VeraConfig(r=4, target_modules=["q_proj"], init_weights=False),
+    "adalora": lambda peft: peft.AdaLoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, total_step=10),
+    "fourierft": lambda peft: peft.FourierFTConfig(n_frequency=16, target_modules=["q_proj", "v_proj"], init_weights=False),
+}
+
+
+@pytest.mark.parametrize("method", sorted(ADAPTER_METHODS))
+def test_more_peft_methods_are_exact(executor, method):
+    """Logits bitwise and adapter gradients of the unsplit PEFT model, for adapters other than
+    LoRA (BOFT reads its base layer's `bias`, None for a Linear without one, as on the shim)."""
+    import peft
+
+    def model():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            return peft.get_peft_model(build_builtin("tiny-llama"), ADAPTER_METHODS[method](peft))
+
+    ref, virt = model(), virtualize(model(), executor.url)
+    x = ids(2, 7, seed=2)
+    for m in (ref, virt):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=x).logits, virt(input_ids=x).logits)
+
+
 def test_long_error_message_is_a_typed_error_not_a_detach(executor):
     """A status that echoes a long tenant-supplied unit id must still fit its ring slot."""
     from symbiont import UnknownUnitError
