@@ -211,6 +211,32 @@ def test_certificates_of_another_ca_or_expired_never_get_in(secure, tls, tmp_pat
     assert "Handshake failed" in secure.log()  # (gRPC's core logs the refused handshakes)
 
 
+def _train_beside_unsplit(url: str, steps: int, between=None, inside=None) -> None:
+    """SGD steps of a LoRA tenant at url beside the unsplit model; between(step) runs before a
+    step, inside(step), if it returns a function, runs it as a forward pre-hook of the second layer
+    during that step (after the first layer's calls). The adapters must end alike."""
+    ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(url))
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, virt)]
+    layer = virt.get_base_model().model.layers[1]
+    with pytest.warns(RuntimeWarning, match="attached again"):
+        for step in range(steps):
+            x = ids(2, 9, seed=step)
+            if between is not None:
+                between(step)
+            hook_fn = inside(step) if inside is not None else None
+            hook = layer.register_forward_pre_hook(hook_fn) if hook_fn is not None else None
+            for m, opt in zip((ref, virt), opts):
+                opt.zero_grad()
+                m(input_ids=x, labels=x).loss.backward()
+                opt.step()
+            if hook is not None:
+                hook.remove()
+    want, got = dict(ref.named_parameters()), dict(virt.named_parameters())
+    for name, p in want.items():
+        if p.requires_grad:
+            torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
     """The executor is stopped and started again on the same port between two training steps, and
     in the middle of one (between the first and second layer's calls of a forward): the tenant's
@@ -220,38 +246,19 @@ def test_a_tenant_finishes_its_training_step_across_an_executor_restart():
 
     port = free_port()
     flags = ("--listen", f"grpc://127.0.0.1:{port}", "--insecure")
-    ex = Executor("tiny-llama", *flags)
-    restarted = []
+    executors = [Executor("tiny-llama", *flags)]
+
+    def restart(*_):
+        assert executors[-1].stop() == 0
+        executors.append(Executor("tiny-llama", *flags))
+
     try:
-        ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(f"grpc://127.0.0.1:{port}"))
-        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, virt)]
-
-        def restart(*_):
-            nonlocal ex
-            assert ex.stop() == 0
-            ex = Executor("tiny-llama", *flags)
-            restarted.append(ex)
-
-        layer = virt.get_base_model().model.layers[1]
-        with pytest.warns(RuntimeWarning, match="attached again"):
-            for step in range(4):
-                x = ids(2, 9, seed=step)
-                if step == 1:
-                    restart()  # between steps
-                hook = layer.register_forward_pre_hook(restart) if step == 2 else None  # inside one
-                for m, opt in zip((ref, virt), opts):
-                    opt.zero_grad()
-                    m(input_ids=x, labels=x).loss.backward()
-                    opt.step()
-                if hook is not None:
-                    hook.remove()
-        assert len(restarted) == 2
-        want, got = dict(ref.named_parameters()), dict(virt.named_parameters())
-        for name, p in want.items():
-            if p.requires_grad:
-                torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6, msg=name)
+        _train_beside_unsplit(f"grpc://127.0.0.1:{port}", 4, between=lambda step: restart() if step == 1 else None,
+                              inside=lambda step: restart if step == 2 else None)
+        assert len(executors) == 3
     finally:
-        ex.stop()
+        for ex in executors:
+            ex.stop()
 
 
 def test_a_call_in_flight_when_the_executor_dies_is_made_again():
@@ -284,25 +291,9 @@ def test_a_call_in_flight_when_the_executor_dies_is_made_again():
         threads[-1].start()
 
     try:
-        ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(f"grpc://127.0.0.1:{port}"))
-        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in (ref, virt)]
-        layer = virt.get_base_model().model.layers[1]
-        with pytest.warns(RuntimeWarning, match="attached again"):
-            for step in range(3):
-                x = ids(2, 9, seed=step)
-                hook = layer.register_forward_pre_hook(freeze_then_kill) if step == 1 else None
-                for m, opt in zip((ref, virt), opts):
-                    opt.zero_grad()
-                    m(input_ids=x, labels=x).loss.backward()
-                    opt.step()
-                if hook is not None:
-                    hook.remove()
+        _train_beside_unsplit(f"grpc://127.0.0.1:{port}", 3, inside=lambda step: freeze_then_kill if step == 1 else None)
         threads[0].join(60)  # (it appends the new executor once that one has said it is up)
         assert frozen.is_set() and len(executors) == 2
-        want, got = dict(ref.named_parameters()), dict(virt.named_parameters())
-        for name, p in want.items():
-            if p.requires_grad:
-                torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         for ex in executors:
             if ex.alive():
