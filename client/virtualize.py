@@ -123,8 +123,10 @@ def virtualize(
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
     config field or unit that differs from the served model (the model is then unchanged).
     """
+    from symbiont.client import dora
     from symbiont.client.connection import Connection, connect
 
+    dora.install()  # (PEFT's DoRA layers over shims, made before or after this)
     conn = executor if isinstance(executor, Connection) else connect(executor)
     catalog = conn.catalog()
     # a PeftModel's module names depend on the method (LoRA nests, prompt tuning does not):

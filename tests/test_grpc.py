@@ -301,6 +301,18 @@ def test_a_call_in_flight_when_the_executor_dies_is_made_again():
             ex.stop()
 
 
+def test_dora_over_grpc(insecure):
+    """DoRA's norms reach a tenant over gRPC as over local:// (the `norms` control request)."""
+    from tests.test_parity import _dora
+
+    ref = _dora(build_builtin("tiny-llama"))
+    virt = _dora(virtualize(build_builtin("tiny-llama"), insecure.grpc))
+    x = ids(2, 7, seed=4)
+    for m in (ref, virt):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+
+
 def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):
     """The HF Trainer fine-tunes a LoRA tenant over gRPC, its calls noise-masked: the adapter ends
     where the unsplit run's does."""

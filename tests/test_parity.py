@@ -135,6 +135,50 @@ def test_other_peft_methods_after_get_peft_model(executor, method):
         assert torch.equal(ref(input_ids=x).logits, virt(input_ids=x).logits)
 
 
+def _dora(base, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, use_dora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("order", ["after_peft", "before_peft"])
+def test_dora_gets_its_norms_from_the_executor(executor, order, dropout):
+    """DoRA's column norms of W + s BA come from the executor (its rows' norms, and <W_j, (BA)_j>
+    through FORWARD_NO_BIAS calls): magnitudes, adapter gradients and logits as the unsplit
+    model's within float32 rounding (the norm is computed expanded, not bitwise); with the
+    adapter's dropout too (the base output of the dropped-out input is a call)."""
+    ref = _dora(build_builtin("tiny-llama"), dropout)
+    if order == "after_peft":
+        virt = virtualize(_dora(build_builtin("tiny-llama"), dropout), executor.url)
+    else:
+        virt = _dora(virtualize(build_builtin("tiny-llama"), executor.url), dropout)
+    got = dict(virt.named_parameters())
+    magnitudes = [(n, p) for n, p in ref.named_parameters() if "lora_magnitude_vector" in n]
+    assert magnitudes
+    for name, p in magnitudes:
+        torch.testing.assert_close(got[name], p, rtol=1e-6, atol=1e-6, msg=name)
+    x = ids(2, 7, seed=4)
+    for m in (ref, virt):
+        torch.manual_seed(5)  # (the same dropout masks on both)
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    with torch.no_grad():
+        torch.testing.assert_close(virt.eval()(input_ids=x).logits, ref.eval()(input_ids=x).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_dora_on_a_unit_with_a_bias_is_refused_by_name(executor_for):
+    """Qwen2's q/k/v have biases, whose values DoRA would need: a typed error naming the unit."""
+    from symbiont.errors import ModelMismatchError
+
+    virt = virtualize(build_builtin("tiny-qwen2"), executor_for("tiny-qwen2").url)
+    with pytest.raises(ModelMismatchError, match=r"DoRA on 'model\.layers\.0\.self_attn\.q_proj', which has a bias"):
+        _dora(virt)
+
+
 def test_long_error_message_is_a_typed_error_not_a_detach(executor):
     """A status that echoes a long tenant-supplied unit id must still fit its ring slot."""
     from symbiont import UnknownUnitError

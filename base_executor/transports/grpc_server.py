@@ -183,7 +183,7 @@ class GrpcServer:
         name, refused = self._credential_name(context, req.attach.credential if kind == "attach" else "")
         if refused is not None:
             return pb.ControlReply(status=refused)
-        if kind in ("catalog", "skeleton"):
+        if kind in ("catalog", "skeleton", "norms"):
             return self.hub._control(req.SerializeToString())
         if kind == "stats":
             reply = self.hub._control(req.SerializeToString())

@@ -115,6 +115,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self.started = time.monotonic()
         self.stopping = threading.Event()
         self._control_done = threading.Event()
+        self._row_norms: dict[str, list[float]] = {}  # unit -> its rows' squared norms, once asked (DoRA)
+        self._norms_stream = None  # where they are computed, on a GPU executor
 
     # ---- lifecycle ----------------------------------------------------------
 

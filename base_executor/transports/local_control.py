@@ -73,7 +73,7 @@ class LocalControl:
             return control_error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
         kind = req.WhichOneof("kind")
         if kind is None:
-            return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health")
+            return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health, norms")
         if kind == "health":
             return pb.ControlReply(
                 status=_OK,
@@ -90,6 +90,8 @@ class LocalControl:
             return pb.ControlReply(status=_OK, skeleton=self.skeleton)
         if kind == "stats":
             return pb.ControlReply(status=_OK, stats=self._stats())
+        if kind == "norms":
+            return self._norms(req.norms.unit)
         if self.stopping.is_set():
             return control_error(pb.UNAVAILABLE, "executor is shutting down")
         if kind == "attach":
@@ -104,6 +106,30 @@ class LocalControl:
             if kind == "grow":
                 return self._grow(t, req.grow.data_bytes)
         return control_error(pb.INTERNAL, f"unhandled control request {kind}")
+
+    def _norms(self, unit_id: str) -> pb.ControlReply:
+        """The squared norms of a linear unit's weight's output rows, float32 (what DoRA needs of
+        it), computed once per unit on a stream of their own (a tenant's stalled stream is never
+        waited for)."""
+        from symbiont.base_executor.catalog import CONV1D, LINEAR
+
+        unit = self.core.table.get(unit_id)
+        if unit is None:
+            return control_error(pb.UNKNOWN_UNIT, f"unit {unit_id!r} is not served by this executor")
+        if unit.kind not in (LINEAR, CONV1D):
+            return control_error(pb.INVALID_ARGUMENT, f"unit {unit_id!r} is a {unit.kind} unit: norms are of linear units' weights")
+        if unit_id not in self._row_norms:
+            w = unit.weight
+            dim = 1 if unit.kind == LINEAR else 0  # (a Conv1D's weight is [in, out])
+            if w.device.type == "cuda":
+                if self._norms_stream is None:
+                    self._norms_stream = torch.cuda.Stream(w.device)
+                with torch.cuda.stream(self._norms_stream):
+                    norms = torch.linalg.vector_norm(w, dim=dim, dtype=torch.float32).square().cpu()
+            else:
+                norms = torch.linalg.vector_norm(w, dim=dim, dtype=torch.float32).square()
+            self._row_norms[unit_id] = norms.tolist()
+        return pb.ControlReply(status=_OK, norms=pb.NormsReply(squared=self._row_norms[unit_id]))
 
     def _attach(self, a: pb.AttachRequest) -> pb.ControlReply:
         if a.pid <= 0:
