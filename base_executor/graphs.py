@@ -29,6 +29,7 @@ from symbiont.proto import executor_pb2 as pb
 log = logging.getLogger("base_executor")
 
 CAPTURE_AT = 2  # a key is captured the second time it is seen: one-off shapes stay eager
+SHARED_POOLS = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")  # (torch >= 2.5)
 MAX_GRAPHS = 512  # per CallGraphs; the oldest key goes first beyond it (a decode uses ~50, a training step ~150)
 
 
@@ -53,7 +54,7 @@ class CallGraphs:
         self.max_tokens = max_tokens
         self.counters = counters
         self._side_stream = side_stream
-        self._pool: torch.cuda.MemPool | None = None
+        self._pool = None  # torch.cuda.MemPool (or a graph pool handle before torch 2.5)
         self._side = None  # the graph pool on the side stream
         self._entries: dict[object, _Entry] = {}
         self.on_drop = None  # called with a key whose graph goes (beyond MAX_GRAPHS), before it goes
@@ -95,17 +96,21 @@ class CallGraphs:
                 self.counters.graph_replays += 1
                 return e.y
         stream = torch.cuda.current_stream(self.device)
-        if stream.cuda_stream == 0:  # (its graphs are captured on the side stream, whose blocks it cannot share)
+        if stream.cuda_stream == 0 or not SHARED_POOLS:  # (the default stream's graphs are captured on the side stream)
             return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
         with torch.cuda.use_mem_pool(self._memory(), self.device):
             return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
 
-    def _memory(self) -> torch.cuda.MemPool:
+    def _memory(self):
         """The pool of this stream's graphs and eager calls (every use is on the one stream, so
-        a block freed by one call is free for the next, graphed or not)."""
+        a block freed by one call is free for the next, graphed or not); a graph pool where
+        torch has no MemPool (before 2.5)."""
         if self._pool is None:
-            self._pool = torch.cuda.MemPool()
+            self._pool = torch.cuda.MemPool() if SHARED_POOLS else torch.cuda.graph_pool_handle()
         return self._pool
+
+    def _pool_id(self):
+        return self._memory().id if SHARED_POOLS else self._memory()
 
     def _capturable(self, call: Call) -> bool:
         if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, MLP):
@@ -117,7 +122,7 @@ class CallGraphs:
         """Captures the call's ops (nothing runs); the caller replays the graph."""
         stream = torch.cuda.current_stream(self.device)
         on = stream if stream.cuda_stream != 0 else self._side_stream
-        pool = self._memory().id if on is stream else self._side_pool()  # (the side stream's graphs: a pool of their own)
+        pool = self._pool_id() if on is stream else self._side_pool()  # (the side stream's graphs: a pool of their own)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.set_stream(on)
         try:
