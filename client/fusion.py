@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from symbiont.client.shim import UnitRef, VirtLayer, _SHIMS, call_unit, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, call_unit, records, tracing, unit_call
 from symbiont.proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -163,8 +163,8 @@ def fuse_siblings(groups: list[pb.UnitInfo], shims: dict[str, VirtLayer], root: 
     made = []
     for unit in groups:
         members = [shims.get(m) for m in unit.members]
-        if not (unit.kind == "linear" and all(m is not None and m._kind == "linear" for m in members)):
-            continue
+        if not (unit.kind == "linear" and all(m is not None and m._kind == "linear" and isinstance(m, VirtLinear) for m in members)):
+            continue  # (a member with a forward of its own calls its unit alone)
         group = FusedGroup(unit, members)
         made.append(group)
         try:

@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch import nn
 
+from symbiont.client.errors import ModelMismatchError
 from symbiont.proto import executor_pb2 as pb
 
 
@@ -244,6 +245,55 @@ class VirtEmbedding(VirtLayer):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return call_unit(ids, self._shim_id, pb.FORWARD)
+
+
+class VirtOwnForward(VirtLayer):
+    """A Linear or Embedding subclass with a forward of its own (OPT's learned positions add an
+    offset to the ids, ...): that forward runs here, and where it uses its weight,
+    `F.linear(x, weight, bias)` or `F.embedding(ids, weight, ...)`, the unit is called instead.
+    Any other use of the weight's values raises the placeholder's error naming the unit."""
+
+    def forward(self, *args, **kwargs):
+        own = type(self).__bases__[1].forward  # (the replaced class's: a shim's class is (mixin, replaced class))
+        with _WeightUses(self):
+            return own(self, *args, **kwargs)
+
+
+class _WeightUses(torch.overrides.TorchFunctionMode):
+    """Within a VirtOwnForward shim's forward: its weight's uses become calls of its unit (torch
+    runs a mode's handler with the mode off, so the calls' own torch work is not intercepted)."""
+
+    def __init__(self, shim: VirtLayer):
+        super().__init__()
+        self.shim = shim
+
+    def _mine(self, t) -> bool:
+        return isinstance(t, RemoteWeight) and t.unit == self.shim.unit_id
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        s = self.shim
+        if func in _LINEAR_FUNCS and s._kind in ("linear", "conv1d"):
+            x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if self._mine(w):
+                if b is not None and not self._mine(b):
+                    raise ModelMismatchError(f"{s.unit_id}: its forward adds a bias of its own to the served weight's product, "
+                                             "which symbiont cannot stand in for")
+                s._check(x)
+                return call_unit(x, s._shim_id, pb.FORWARD if b is not None or s.bias is None else pb.FORWARD_NO_BIAS)
+        if func is torch.nn.functional.embedding and s._kind == "embedding":
+            ids, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
+            max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
+            if self._mine(w):
+                if max_norm is not None:
+                    raise ModelMismatchError(f"{s.unit_id}: an embedding with max_norm renormalises its weight in place, "
+                                             "which the executor's weight does not allow")
+                return call_unit(ids, s._shim_id, pb.FORWARD)
+        return func(*args, **kwargs)
+
+
+_LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)
 
 
 class VirtScaledEmbedding(VirtLayer):

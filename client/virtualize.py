@@ -16,7 +16,7 @@ from torch import nn
 
 from symbiont.client.errors import ModelMismatchError
 from symbiont.client.fusion import fuse_siblings
-from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtScaledEmbedding, make_shim
+from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtScaledEmbedding, make_shim
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec
 from symbiont.proto.fingerprint import fingerprint
@@ -43,6 +43,8 @@ SHIM_TABLE: list[tuple[str, Callable[[nn.Module], bool], type]] = [
     ("transformers Conv1D", lambda m: isinstance(m, _conv1d_type()), VirtLinear),
     ("nn.Embedding", _plain_forward(nn.Embedding), VirtEmbedding),
     ("nn.Embedding scaled by an `embed_scale` buffer (Gemma)", _scaled_embedding, VirtScaledEmbedding),
+    ("an nn.Linear or nn.Embedding subclass with a forward of its own, whose F.linear / F.embedding of its weight "
+     "become calls", lambda m: isinstance(m, (nn.Linear, nn.Embedding)), VirtOwnForward),
 ]
 
 # config keys that describe how a model runs here, not which model it is

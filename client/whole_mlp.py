@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from symbiont.client.shim import UnitRef, VirtLayer, _SHIMS, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtOwnForward, _SHIMS, records, tracing, unit_call
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import gated_mlp
 
@@ -121,8 +121,9 @@ def serve_whole_mlps(units: list[pb.UnitInfo], root: nn.Module, shims: dict[str,
         if layout is None:
             continue
         members = tuple(shims.get(f"{unit.id}.{name}") for name in layout.linears)
-        if any(m is None or block._modules.get(name) is not m for name, m in zip(layout.linears, members)):
-            continue
+        if any(m is None or block._modules.get(name) is not m or isinstance(m, VirtOwnForward)
+               for name, m in zip(layout.linears, members)):
+            continue  # (a Linear with a forward of its own runs it: the block runs its own forward too)
         cls = type(block)
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Virt{cls.__name__}", (VirtMLP, cls), {"__module__": __name__})

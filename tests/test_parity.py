@@ -179,6 +179,85 @@ def test_dora_on_a_unit_with_a_bias_is_refused_by_name(executor_for):
         _dora(virt)
 
 
+def _tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=64, word_embed_proj_dim=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return OPTForCausalLM(config).eval()
+
+
+def test_modules_with_a_forward_of_their_own(tmp_path):
+    """OPT's learned positional embedding is an nn.Embedding subclass whose forward adds an offset
+    to the positions: its own forward runs in the tenant and its F.embedding becomes the call.
+    Logits bitwise, greedy tokens identical, LoRA gradients as the unsplit model's."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import running_executor
+
+    _tiny_opt().save_pretrained(tmp_path)
+    with running_executor(str(tmp_path)) as ex:
+        ref, virt = _tiny_opt(), virtualize(_tiny_opt(), ex.url)
+        assert type(virt.model.decoder.embed_positions).__name__ == "VirtOPTLearnedPositionalEmbedding"
+        x = ids(2, 9)
+        with torch.no_grad():
+            assert torch.equal(ref(x).logits, virt(x).logits)
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=1)
+        assert torch.equal(ref.generate(x[:1, :5], **kw), virt.generate(x[:1, :5], **kw))
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        models = []
+        for m in (ref, virt):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(1)
+                models.append(get_peft_model(m, config))
+        for m in models:
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
+
+
+class _ClampedLinear(torch.nn.Linear):
+    """A Linear with a forward of its own: it clamps its input, then F.linear of its weight."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x.clamp(-0.5, 0.5), self.weight, self.bias) * 2
+
+
+class _MatmulLinear(torch.nn.Linear):
+    """A Linear whose forward reads its weight's values (x @ W^T): nothing symbiont can call."""
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def _with_own_linear(cls):
+    model = build_builtin("tiny-llama")
+    old = model.model.layers[0].mlp.down_proj
+    new = cls(old.in_features, old.out_features, bias=False)
+    new.weight = old.weight
+    model.model.layers[0].mlp.down_proj = new
+    return model
+
+
+def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor):
+    """Its block then runs its own forward (no whole-MLP call); logits bitwise, LoRA gradients."""
+    ref = lora_model("tiny-llama", base=_with_own_linear(_ClampedLinear))
+    virt = virtualize(lora_model("tiny-llama", base=_with_own_linear(_ClampedLinear)), executor.url)
+    x = ids(2, 7, seed=3)
+    with torch.no_grad():
+        assert torch.equal(ref(x).logits, virt(x).logits)
+    for m in (ref, virt):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt))
+
+
+def test_a_forward_that_reads_the_weight_says_which_unit(executor):
+    virt = virtualize(_with_own_linear(_MatmulLinear), executor.url)
+    with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.mlp\.down_proj' is served by the base executor"):
+        virt(ids(2, 7))
+
+
 def test_long_error_message_is_a_typed_error_not_a_detach(executor):
     """A status that echoes a long tenant-supplied unit id must still fit its ring slot."""
     from symbiont import UnknownUnitError
