@@ -249,9 +249,10 @@ class VirtEmbedding(VirtLayer):
 
 class VirtOwnForward(VirtLayer):
     """A Linear or Embedding subclass with a forward of its own (OPT's learned positions add an
-    offset to the ids, ...): that forward runs here, and where it uses its weight,
-    `F.linear(x, weight, bias)` or `F.embedding(ids, weight, ...)`, the unit is called instead.
-    Any other use of the weight's values raises the placeholder's error naming the unit."""
+    offset to the ids, Falcon's Linear is `x @ W.T`, ...): that forward runs here, and where it
+    uses its weight, `F.linear(x, weight, bias)`, `x @ weight.T` or `F.embedding(ids, weight, ...)`,
+    the unit is called instead. Any other use of the weight's values raises the placeholder's
+    error naming the unit."""
 
     def forward(self, *args, **kwargs):
         own = type(self).__bases__[1].forward  # (the replaced class's: a shim's class is (mixin, replaced class))
@@ -282,6 +283,14 @@ class _WeightUses(torch.overrides.TorchFunctionMode):
                                              "which symbiont cannot stand in for")
                 s._check(x)
                 return call_unit(x, s._shim_id, pb.FORWARD if b is not None or s.bias is None else pb.FORWARD_NO_BIAS)
+        if func in _TRANSPOSES and s._kind == "linear" and self._mine(args[0]) and not getattr(args[0], "transposed", False):
+            w = args[0]  # (W.T: a placeholder marked transposed, which a matmul below turns into the call)
+            t = RemoteWeight(tuple(reversed(w.shape)), w.dtype, w.device, w.unit, w.url)
+            t.transposed = True
+            return t
+        if func in _MATMULS and len(args) == 2 and self._mine(args[1]) and getattr(args[1], "transposed", False):
+            s._check(args[0])
+            return call_unit(args[0], s._shim_id, pb.FORWARD_NO_BIAS)  # x @ W.T
         if func is torch.nn.functional.embedding and s._kind == "embedding":
             ids, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
             max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
@@ -294,6 +303,8 @@ class _WeightUses(torch.overrides.TorchFunctionMode):
 
 
 _LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)
+_TRANSPOSES = (torch.Tensor.T.__get__, torch.Tensor.t, torch.t, torch.Tensor.mT.__get__)
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 class VirtScaledEmbedding(VirtLayer):

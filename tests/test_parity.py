@@ -225,10 +225,17 @@ class _ClampedLinear(torch.nn.Linear):
 
 
 class _MatmulLinear(torch.nn.Linear):
-    """A Linear whose forward reads its weight's values (x @ W^T): nothing symbiont can call."""
+    """A Linear whose forward is x @ W^T (Falcon's): the matmul becomes the call."""
 
     def forward(self, x):
         return x @ self.weight.T
+
+
+class _ReadingLinear(torch.nn.Linear):
+    """A Linear whose forward computes with its weight's values: nothing symbiont can call."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * 2)
 
 
 def _with_own_linear(cls):
@@ -240,10 +247,11 @@ def _with_own_linear(cls):
     return model
 
 
-def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor):
+@pytest.mark.parametrize("cls", [_ClampedLinear, _MatmulLinear])
+def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor, cls):
     """Its block then runs its own forward (no whole-MLP call); logits bitwise, LoRA gradients."""
-    ref = lora_model("tiny-llama", base=_with_own_linear(_ClampedLinear))
-    virt = virtualize(lora_model("tiny-llama", base=_with_own_linear(_ClampedLinear)), executor.url)
+    ref = lora_model("tiny-llama", base=_with_own_linear(cls))
+    virt = virtualize(lora_model("tiny-llama", base=_with_own_linear(cls)), executor.url)
     x = ids(2, 7, seed=3)
     with torch.no_grad():
         assert torch.equal(ref(x).logits, virt(x).logits)
@@ -253,7 +261,7 @@ def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor):
 
 
 def test_a_forward_that_reads_the_weight_says_which_unit(executor):
-    virt = virtualize(_with_own_linear(_MatmulLinear), executor.url)
+    virt = virtualize(_with_own_linear(_ReadingLinear), executor.url)
     with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.mlp\.down_proj' is served by the base executor"):
         virt(ids(2, 7))
 
