@@ -240,11 +240,16 @@ class VirtLinear(VirtLayer):
         return call_unit(x, self._shim_id, pb.FORWARD)
 
 
+def _int64(ids: torch.Tensor) -> torch.Tensor:
+    """Ids travel as int64: narrower integer ids (CPM-Ant's int32) are widened, their values kept."""
+    return ids.long() if ids.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8) else ids
+
+
 class VirtEmbedding(VirtLayer):
     """nn.Embedding: y = W[ids] at the executor."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return call_unit(ids, self._shim_id, pb.FORWARD)
+        return call_unit(_int64(ids), self._shim_id, pb.FORWARD)
 
 
 class VirtOwnForward(VirtLayer):
@@ -298,7 +303,7 @@ class _WeightUses(torch.overrides.TorchFunctionMode):
                 if max_norm is not None:
                     raise ModelMismatchError(f"{s.unit_id}: an embedding with max_norm renormalises its weight in place, "
                                              "which the executor's weight does not allow")
-                return call_unit(ids, s._shim_id, pb.FORWARD)
+                return call_unit(_int64(ids), s._shim_id, pb.FORWARD)
         return func(*args, **kwargs)
 
 
@@ -311,7 +316,7 @@ class VirtScaledEmbedding(VirtLayer):
     """Embeddings that multiply the lookup by `embed_scale` (Gemma, ...): the scale stays local."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return call_unit(ids, self._shim_id, pb.FORWARD) * self.embed_scale.to(self._dtype)
+        return call_unit(_int64(ids), self._shim_id, pb.FORWARD) * self.embed_scale.to(self._dtype)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -328,7 +333,7 @@ def make_shim(module: nn.Module, mixin: type, unit: pb.UnitInfo, transport, dtyp
     state = dict(module.__dict__)
     state["_parameters"] = {}
     state["_buffers"] = dict(module._buffers)
-    state["_modules"] = {}
+    state["_modules"] = dict(module._modules) if mixin is VirtOwnForward else {}  # (its own forward may use its children)
     shim.__dict__.update(state)
     for pname, p in module._parameters.items():  # (a None one stays None: an nn.Linear without bias has `bias`)
         placeholder = None if p is None else RemoteWeight(p.shape, dtype, device, unit.id, transport.url)
