@@ -55,7 +55,6 @@ class CallGraphs:
         self.counters = counters
         self._side_stream = side_stream
         self._pool = None  # torch.cuda.MemPool (or a graph pool handle before torch 2.5)
-        self._side = None  # the graph pool on the side stream
         self._entries: dict[object, _Entry] = {}
         self.on_drop = None  # called with a key whose graph goes (beyond MAX_GRAPHS), before it goes
 
@@ -109,9 +108,6 @@ class CallGraphs:
             self._pool = torch.cuda.MemPool() if SHARED_POOLS else torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _pool_id(self):
-        return self._memory().id if SHARED_POOLS else self._memory()
-
     def _capturable(self, call: Call) -> bool:
         if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, MLP):
             return False
@@ -122,7 +118,8 @@ class CallGraphs:
         """Captures the call's ops (nothing runs); the caller replays the graph."""
         stream = torch.cuda.current_stream(self.device)
         on = stream if stream.cuda_stream != 0 else self._side_stream
-        pool = self._pool_id() if on is stream else self._side_pool()  # (the side stream's graphs: a pool of their own)
+        # (a CallGraphs's calls are all on one stream; on the default stream only its captures use the pool)
+        pool = self._memory().id if SHARED_POOLS else self._memory()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.set_stream(on)
         try:
@@ -137,12 +134,7 @@ class CallGraphs:
             torch.cuda.set_stream(stream)
         return graph
 
-    def _side_pool(self):
-        if self._side is None:
-            self._side = torch.cuda.graph_pool_handle()
-        return self._side
-
     def close(self) -> None:
         """Drops every graph and, with the last, the pool; no replay may still be running."""
         self._entries.clear()
-        self._pool = self._side = None
+        self._pool = None

@@ -96,6 +96,15 @@ def test_model_to_moves_placeholders_but_not_dtype(executor):
         virt.to(torch.float16)
 
 
+def _seeded_peft(base, config):
+    """get_peft_model(base, config) with adapter weights drawn from seed 1 (both sides alike)."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return get_peft_model(base, config)
+
+
 def _peft(base, method: str):
     import peft
 
@@ -115,9 +124,7 @@ def _peft(base, method: str):
         "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=qv, init_lora_weights=False, total_step=10),
         "fourierft": lambda: peft.FourierFTConfig(n_frequency=16, target_modules=qv, init_weights=False),
     }[method]()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return peft.get_peft_model(base, config)
+    return _seeded_peft(base, config)
 
 
 @pytest.mark.parametrize("method", ["prompt", "prefix", "lora+modules_to_save", "rslora", "loha", "lokr", "oft", "boft",
@@ -136,12 +143,10 @@ def test_other_peft_methods_after_get_peft_model(executor, method):
 
 
 def _dora(base, dropout: float = 0.0):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     config = LoraConfig(r=4, use_dora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=dropout)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return get_peft_model(base, config)
+    return _seeded_peft(base, config)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -193,7 +198,7 @@ def test_modules_with_a_forward_of_their_own(tmp_path):
     """OPT's learned positional embedding is an nn.Embedding subclass whose forward adds an offset
     to the positions: its own forward runs in the tenant and its F.embedding becomes the call.
     Logits bitwise, greedy tokens identical, LoRA gradients as the unsplit model's."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from tests.conftest import running_executor
 
@@ -207,11 +212,7 @@ def test_modules_with_a_forward_of_their_own(tmp_path):
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=1)
         assert torch.equal(ref.generate(x[:1, :5], **kw), virt.generate(x[:1, :5], **kw))
         config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        models = []
-        for m in (ref, virt):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(1)
-                models.append(get_peft_model(m, config))
+        models = [_seeded_peft(m, config) for m in (ref, virt)]
         for m in models:
             m(input_ids=x, labels=x).loss.backward()
         assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
