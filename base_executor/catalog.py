@@ -189,6 +189,12 @@ class UnitTable:
     def get(self, unit_id: str) -> Unit | None:
         return self.units.get(unit_id)
 
+    def keep(self, ids) -> None:
+        """Drops every unit not in `ids` (a rank of a sharded executor keeps its own; a group or
+        MLP unit is kept with its members, a tied unit with its owner)."""
+        ids = set(ids)
+        self.units = {k: u for k, u in self.units.items() if k in ids}
+
     def to(self, device: torch.device, fuse_act: bool = True) -> "UnitTable":
         """Moves the unit weights to `device`; on a GPU, with `fuse_act`, gated MLP units get the
         fused act(gate) * up where a probe finds it bitwise torch's (runner.act_mul_of)."""

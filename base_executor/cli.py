@@ -15,6 +15,7 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from symbiont.base_executor import models  # noqa: E402
@@ -30,9 +31,23 @@ def _serve(args: argparse.Namespace) -> int:
     from symbiont.proto import codec, urls
     from symbiont.proto import executor_pb2 as pb
 
+    from symbiont.base_executor import shards
+
     log = logging.getLogger("base_executor")
     listens = args.listen or ["local://symbiont"]
     parsed = [urls.parse(u) for u in listens]
+    shard = shards.shard_config(args.devices, args.placement)
+    children = []
+    if shard is not None:
+        if args.device != "cpu" and args.device != shard.device:
+            raise SystemExit(f"--device {args.device} and --devices {args.devices}: pass one of them")
+        args.device = shard.device
+        if shard.launched and "RANK" not in os.environ:  # this host's rank 0: start the others
+            children = shards.launch_ranks(shard, args.argv)
+        listens = [shards.rank_url(s, n, shard.rank) for s, n in parsed]
+        parsed = [urls.parse(u) for u in listens]
+        log.info("rank %d of %d on %s (%s placement)", shard.rank, shard.world, shard.device, shard.placement)
+        shards.join_group(shard)
     local = [n for s, n in parsed if s == "local"]
     remote = [n for s, n in parsed if s == "grpc"]
     if len(local) > 1:
@@ -93,6 +108,11 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.no_gpu_waits and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
             log.warning("CUDA_MODULE_LOADING=%s: a kernel's first launch may wait for a tenant's stalled input copy, "
                         "stalling every tenant (unset it, or serve with --no-gpu-waits)", os.environ.get("CUDA_MODULE_LOADING"))
+    if shard is not None:  # every rank computes the same placement, keeps its own units
+        rank_of = shards.place_layers(table, shard.world)
+        for info in catalog.units:
+            info.rank = rank_of[info.id]
+        table.keep(u for u, r in rank_of.items() if r == shard.rank)
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     table.to(device, fuse_act=not args.no_fused_act)
     core = ExecutorCore(table, dtype, device, sched)
@@ -138,14 +158,43 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    on_bound, lost = None, []
+    if shard is not None:
+        advertised = [u for u in listens if u.startswith("local://")]
+        advertised += [shards.advertised_grpc(n, g.port) for (s, n), g in zip([p for p in parsed if p[0] == "grpc"], grpc_servers)]
+        for rank_urls in shards.exchange_urls(" ".join(advertised)):
+            catalog.shards.add(urls=rank_urls.split())
+        log.info("rank %d serves %d units (%.1f M parameters) on %s", shard.rank, len(table),
+                 table.parameter_count() / 1e6, device)
+        started = threading.Event()
+
+        def on_bound():  # no rank answers before every rank can
+            shards.barrier()
+            started.set()
+
+        def on_rank_lost(why: str):
+            if server.stopping.is_set():  # (we stop the ranks we started)
+                return
+            lost.append(why)
+            log.error("%s: stopping this rank too (every tenant gets ExecutorUnavailableError)", why)
+            if not started.is_set():  # (blocked in a collective with the lost rank)
+                shards.stop_ranks(children, timeout_s=5)
+                os._exit(1)
+            server.stop()
+
+        shards.watch(shard, children, on_rank_lost)
     log.info("serving on %s (control %s); ready", ", ".join(listens), server.endpoint)
     try:
-        server.serve()
+        server.serve(on_bound)
     finally:
         for g in grpc_servers:
             g.stop()
+        if shard is not None:
+            codes = shards.stop_ranks(children)
+            lost += [f"rank {r} exited with code {c}" for r, c in enumerate(codes, start=1) if c]
+            shards.leave_group()
     log.info("stopped")
-    return 0
+    return 1 if lost else 0
 
 
 def _mps_running() -> bool:
@@ -219,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "TLS_DIR/tokens; none with --insecure: any tenant may attach)")
     s.add_argument("--insecure", action="store_true", help="gRPC without TLS (a warning is logged): for a trusted network")
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    s.add_argument("--devices", default=None, help="one executor over several processes, one per device listed "
+                   "(cuda:0,cuda:1 or cpu,cpu): each serves its share of the layers on its own address (NAME.rR, "
+                   "gRPC PORT+R), and tenants still name the first; under torchrun, the devices of each host's ranks")
+    s.add_argument("--placement", default="layers", choices=["layers"], help="with --devices: how the units are spread "
+                   "(layers: whole layers per rank, balanced by memory and FLOPs)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "no-lockstep"],
                    help="when a unit's queue runs: after its class's wait or when no one else can join (opportunistic), "
@@ -283,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return _tune_atmm(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # (a sharded executor starts its other ranks with the same arguments)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -26,18 +26,49 @@ class Connection:
     ):
         self.url = url
         self.name = name or tenant or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
-        self.transport: Transport = open_transport(url, token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s)
-        if spin_us is not None:
-            self.transport.spin_us = spin_us
+        self._options = dict(token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s)
+        self._spin_us = spin_us
+        self.transport: Transport = self._open(url)
         self._latency = latency
         self._mailbox_bytes = mailbox_mb << 20
         self._catalog: pb.CatalogReply | None = None
         self._skeleton: pb.SkeletonReply | None = None
+        self._ranks: list[Transport] | None = None  # a sharded executor's ranks (this address's among them)
+
+    def _open(self, url: str) -> Transport:
+        t = open_transport(url, **self._options)
+        if self._spin_us is not None:
+            t.spin_us = self._spin_us
+        return t
+
+    @property
+    def transports(self) -> list[Transport]:
+        """One transport per rank of the executor, index = rank: [self.transport] for an executor of
+        one process; for a sharded one, each rank's address of the scheme this one has."""
+        if self._ranks is None:
+            shards = self.catalog().shards
+            if not shards:
+                self._ranks = [self.transport]
+            else:
+                scheme = self.url.partition("://")[0]
+                ranks = []
+                for r, shard in enumerate(shards):
+                    url = next((u for u in shard.urls if u.startswith(scheme + "://")), None)
+                    if url is None:
+                        raise ValueError(f"rank {r} of the executor at {self.url} has no {scheme}:// address ({list(shard.urls)})")
+                    ranks.append(self.transport if url == self.url else self._open(url))
+                self._ranks = ranks
+        return self._ranks
+
+    def transport_for(self, unit: pb.UnitInfo) -> Transport:
+        """The transport of the rank that serves `unit`."""
+        return self.transports[unit.rank]
 
     def ensure_attached(self, device: torch.device | str = "cpu") -> None:
-        """Attaches if not yet attached; `device` is where this tenant's tensors live."""
-        if not self.transport.is_attached:
-            self.transport.attach(self.name, self._latency, self._mailbox_bytes, torch.device(device))
+        """Attaches to every rank not yet attached; `device` is where this tenant's tensors live."""
+        for t in self.transports:
+            if not t.is_attached:
+                t.attach(self.name, self._latency, self._mailbox_bytes, torch.device(device))
 
     def catalog(self) -> pb.CatalogReply:
         if self._catalog is None:
@@ -128,7 +159,8 @@ class Connection:
             return AutoTokenizer.from_pretrained(tmp)
 
     def close(self) -> None:
-        self.transport.close()
+        for t in self._ranks or [self.transport]:
+            t.close()
 
     def __enter__(self):
         return self

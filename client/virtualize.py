@@ -89,12 +89,13 @@ def check_config(model_config, served_json: str) -> None:
             )
 
 
-def _confirming(transport):
-    """A forward hook that confirms the transport's calls (their replies) as the forward ends."""
+def _confirming(transports):
+    """A forward hook that confirms the transports' calls (their replies) as the forward ends."""
 
     @torch.compiler.disable
     def hook(module, args, output):
-        transport.confirm()
+        for t in transports:
+            t.confirm()
 
     return hook
 
@@ -176,7 +177,7 @@ def virtualize(
     conn.ensure_attached(device)
     shims = {}
     for name, module, mixin, unit in plan:
-        shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport, served_dtype, device)
+        shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport_for(unit), served_dtype, device)
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
@@ -190,7 +191,7 @@ def virtualize(
         for ref in [*shims.values(), *groups]:
             ref._mask = mask
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
-    root.register_forward_hook(_confirming(conn.transport))
+    root.register_forward_hook(_confirming(conn.transports))
     del plan, shims
     gc.collect()
     return model

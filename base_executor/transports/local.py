@@ -120,8 +120,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
 
     # ---- lifecycle ----------------------------------------------------------
 
-    def serve(self) -> None:
-        """Serves until stop(); then finishes every call already received and returns."""
+    def serve(self, on_bound=None) -> None:
+        """Serves until stop(); then finishes every call already received and returns.
+        on_bound(): called once the address is bound, before any request is answered."""
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -137,6 +138,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 raise RuntimeError(f"an executor already serves local://{self.config.name} ({path})")
             os.unlink(path)
         sock.bind(self.endpoint)
+        if on_bound is not None:
+            on_bound()
         control = threading.Thread(target=self._control_loop, args=(sock,), name="control", daemon=True)
         control.start()
         try:

@@ -311,11 +311,13 @@ class LocalTransport(LocalCalls, Transport):
             self._collect(keep=0)
 
     def _detached(self):
+        if not self._executor_alive():
+            self._executor_gone(f"the executor at {self.url} (pid {self._executor_pid}) has stopped")
         self.tenant_id = 0
         self._teardown()
         raise NotAttachedError(
             f"the executor at {self.url} detached this tenant (its process was seen dead, it corrupted its ring, "
-            "or it left replies unread); connect again"
+            "it left replies unread, or the executor is stopping); connect again"
         )
 
     def _teardown(self) -> None:

@@ -1,0 +1,145 @@
+"""A sharded executor (base_executor/shards.py): whole layers over several rank processes joined
+by torch.distributed (gloo here, on CPU processes), tenants attached to every rank. Parity with
+the unsplit model (and so with the executor of one process), placement, and a rank lost mid-call."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from symbiont import VirtLayer, connect, virtualize
+from symbiont.base_executor import catalog as cat
+from symbiont.base_executor import shards
+from symbiont.base_executor.models import build_builtin
+from symbiont.client.errors import ExecutorUnavailableError
+from tests.conftest import Executor, running_executor
+from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.test_grpc import free_port
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def test_layers_are_contiguous_and_balanced():
+    assert shards._contiguous_parts([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert shards._contiguous_parts([3, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert shards._contiguous_parts([0.1, 1, 1, 1, 1, 0.1], 4) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 ranks"):
+        shards._contiguous_parts([1, 1, 1], 4)
+    table = cat.UnitTable(build_builtin("tiny-llama"))
+    two = shards.place_layers(table, 2)
+    assert two["model.embed_tokens"] == two["model.layers.0.self_attn.q_proj"] == 0
+    assert two["model.layers.1.mlp.down_proj"] == two["lm_head"] == 1
+    assert two["model.layers.1.mlp"] == two["model.layers.1.mlp.{gate_proj,up_proj}"] == 1  # with their members
+    four = shards.place_layers(table, 4)
+    assert [four[u] for u in ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head")] == [0, 1, 2, 3]
+
+
+def test_a_tied_unit_stays_with_its_owner():
+    table = cat.UnitTable(build_builtin("tiny-gemma2"))  # lm_head is the embedding
+    tied = [u for u in table.units.values() if u.tied_to]
+    assert tied
+    ranks = shards.place_layers(table, 2)
+    assert all(ranks[u.id] == ranks[u.tied_to] for u in tied)
+
+
+def test_one_device_is_one_process():
+    assert shards.shard_config(None, "layers") is None or "WORLD_SIZE" in os.environ
+    assert shards.shard_config("cuda:0", "layers") is None or "WORLD_SIZE" in os.environ
+    with pytest.raises(ValueError, match="placement"):
+        shards.ShardConfig(devices=("cpu", "cpu"), placement="rows", rank=0, world=2, local_rank=0, launched=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_executor_matches_the_unsplit_model(world):
+    """Logits bitwise, greedy tokens, LoRA gradients over two steps, through ranks over gloo."""
+    name = "tiny-llama"
+    with running_executor(name, "--devices", ",".join(["cpu"] * world)) as ex:
+        conn = connect(ex.url)
+        assert len(conn.catalog().shards) == world
+        assert {u.rank for u in conn.catalog().units} == set(range(world))
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), conn)
+        assert sum(isinstance(m, VirtLayer) for m in virt.modules()) >= 8
+        assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == world
+        x = ids(2, 17)
+        with torch.no_grad():
+            a, b = ref(x).logits, virt(x).logits
+        assert torch.equal(a, b), f"max |diff| {(a - b).abs().max().item():.3e}"
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        prompt = ids(1, 6, seed=3)
+        assert torch.equal(ref.generate(prompt, **kw), virt.generate(prompt, **kw))
+        conn.close()
+
+        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url)
+        x = ids(2, 10, seed=5)
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
+        for _ in range(2):
+            for m, opt in zip((ref, virt), opts):
+                opt.zero_grad()
+                m(input_ids=x, labels=x).loss.backward()
+            assert_grads_close(lora_grads(ref), lora_grads(virt))
+            for opt in opts:
+                opt.step()
+        for m in virt.modules():
+            if isinstance(m, VirtLayer):
+                m.transport.close()
+
+
+def test_any_rank_address_serves_the_whole_model_and_grpc_tenants_get_grpc_ranks():
+    port = free_port()
+    with running_executor("tiny-llama", "--devices", "cpu,cpu", "--listen", f"grpc://127.0.0.1:{port}", "--insecure") as ex:
+        x = ids(1, 9)
+        with torch.no_grad():
+            want = build_builtin("tiny-llama")(x).logits
+        for url in (ex.url + ".r1", f"grpc://127.0.0.1:{port}"):
+            with connect(url) as conn:
+                virt = virtualize(build_builtin("tiny-llama"), conn)
+                schemes = {t.url.partition("://")[0] for t in conn.transports}
+                assert schemes == {url.partition("://")[0]}, [t.url for t in conn.transports]
+                with torch.no_grad():
+                    assert torch.equal(virt(x).logits, want)
+
+
+def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang():
+    ex = Executor("tiny-llama", "--devices", "cpu,cpu")
+    try:
+        (rank1,) = _children(ex.pid)
+        conn = connect(ex.url)
+        virt = virtualize(build_builtin("tiny-llama"), conn)
+        x = ids(1, 8)
+        with torch.no_grad():
+            virt(x)
+        os.kill(rank1, signal.SIGSTOP)  # its calls wait: the next forward is in flight there
+        failure = []
+
+        def forward():
+            try:
+                with torch.no_grad():
+                    virt(x)
+            except Exception as e:
+                failure.append(e)
+
+        t = threading.Thread(target=forward)
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive(), "the forward did not wait for the stopped rank"
+        os.kill(rank1, signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive(), "the tenant hangs after its rank died"
+        assert failure and isinstance(failure[0], ExecutorUnavailableError), failure
+        assert ex.proc.wait(60) == 1  # rank 0 stops too, and says a rank was lost
+        assert "rank 1" in ex.log() and "exited with code" in ex.log()
+        with pytest.raises(ExecutorUnavailableError):
+            with torch.no_grad():
+                virt(x)
+    finally:
+        ex.stop()
