@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     shard = shards.shard_config(args.devices, args.placement)
     children = []
     if shard is not None:
-        if args.device != "cpu" and args.device != shard.device:
+        if args.device not in ("cpu", shard.devices[0]):
             raise SystemExit(f"--device {args.device} and --devices {args.devices}: pass one of them")
         args.device = shard.device
         if shard.launched and "RANK" not in os.environ:  # this host's rank 0: start the others

@@ -57,7 +57,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 class GpuMemory:
-    """Samples the GPU's used memory (nvidia-smi, every `period` s) while a fleet runs: its maximum."""
+    """Samples the GPUs' used memory (nvidia-smi, every `period` s) while a fleet runs: the maximum
+    of GPU 0 (`peak`) and of each GPU (`peaks`)."""
 
     def __init__(self, period: float = 0.5):
         self.period, self.samples, self._stop = period, [], threading.Event()
@@ -66,9 +67,9 @@ class GpuMemory:
     def _run(self):
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=5).stdout
-                self.samples.append(int(out.strip().splitlines()[0]) * 2**20)
+                self.samples.append([int(line) * 2**20 for line in out.split()])
             except Exception:
                 pass
             self._stop.wait(self.period)
@@ -83,13 +84,18 @@ class GpuMemory:
 
     @property
     def peak(self) -> int:
-        return max(self.samples, default=0)
+        return self.peaks[0] if self.samples else 0
+
+    @property
+    def peaks(self) -> list[int]:
+        return [max(col) for col in zip(*self.samples)]
 
 
-def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None) -> tuple[list[dict], int, int]:
+def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
     """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
     to all with one start time (then calls `on_go()`: a profiler of the steady state), and returns
-    (their results, the GPU's used memory before they started, its peak while they worked)."""
+    (their results, GPU 0's used memory before they started, its peak while they worked); with
+    per_gpu, those two for every GPU (lists)."""
     base = GpuMemory()
     with base:
         time.sleep(0.6)
@@ -119,7 +125,7 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
                 p.wait(timeout_s)
         if len(results) != len(procs):
             raise RuntimeError(f"{len(procs) - len(results)} workers gave no result")
-        return results, base.peak, mem.peak
+        return (results, base.peaks, mem.peaks) if per_gpu else (results, base.peak, mem.peak)
     finally:
         for p in procs:
             if p.poll() is None:

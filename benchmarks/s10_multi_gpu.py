@@ -1,0 +1,90 @@
+"""S10: K fine-tuning tenants on one executor over several GPUs (layer placement) against K
+independent HF + PEFT processes spread over the same GPUs (MPS on).
+
+    python benchmarks/s10_multi_gpu.py --model llama-8b --gpus 2 --ks 2,4,8,16 [--max-processes 6] [--seconds 20]
+
+Tenant i (and process i) sits on GPU i mod --gpus. The executor is `base-executor serve --devices
+cuda:0,...,cuda:G-1`: each rank holds its share of the layers, so one copy of the model is spread
+over the GPUs; a tenant calls the rank on its own GPU through same-GPU mailboxes and the others as
+peers. The work per tenant is S2's (LoRA on q, v; ranks 8/16/32/64 cycling; 2 x 512 tokens per
+step; AdamW). Memory per GPU is nvidia-smi's peak minus what the GPU held before anything started.
+Prints a table, writes JSON into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import fleet
+
+FLOPS_PER_TOKEN = {"llama-1b": 5.0e9, "llama-8b": 33e9}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--ks", default="2,4,8")
+    p.add_argument("--max-processes", type=int, default=6, help="the most plain processes to run (each holds a whole model)")
+    p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
+    p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
+    a = p.parse_args()
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ks = [int(k) for k in a.ks.split(",")]
+    devices = [f"cuda:{g}" for g in range(a.gpus)]
+    with fleet.GpuMemory() as idle:
+        time.sleep(1.0)
+    idle = idle.peaks[: a.gpus]
+
+    def common(i: int) -> list[str]:
+        return ["--role", "finetune", "--model", a.model, "--device", devices[i % a.gpus], "--batch", str(a.batch),
+                "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)]
+
+    def row(k: int, who: str, res, peaks, **more) -> dict:
+        used = [peaks[g] - idle[g] for g in range(a.gpus)]
+        r = {"k": k, "who": who, **fleet.finetune_figures(res), "gpu_used_per_gpu": used, **more}
+        print(json.dumps(r), flush=True)
+        return r
+
+    rows = []
+    print(f"MPS {'on' if fleet.mps_running() else 'OFF'}; {a.gpus} GPUs", flush=True)
+    for k in ks:
+        if k <= a.max_processes:
+            res, _, peaks = fleet.run_fleet([["--mode", "plain", *common(i)] for i in range(k)], a.seconds, per_gpu=True)
+            rows.append(row(k, "processes", res, peaks))
+    t0 = time.monotonic()
+    proc, url = fleet.start_executor(a.model, devices[0], "--devices", ",".join(devices), *a.serve_args.split(), log_dir=out)
+    print(f"executor over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
+    try:
+        for k in ks:
+            before = fleet.executor_stats(url)
+            res, _, peaks = fleet.run_fleet([["--mode", "symbiont", "--url", url, *common(i)] for i in range(k)], a.seconds,
+                                            per_gpu=True)
+            after = fleet.executor_stats(url)
+            rows.append(row(k, f"symbiont layers x{a.gpus}", res, peaks, batches=fleet.batch_share(before, after)))
+    finally:
+        fleet.stop(proc)
+    flops = FLOPS_PER_TOKEN.get(a.model)
+    print(f"\nS10 {a.model} on {a.gpus} GPUs, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
+    print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8}")
+    for r in rows:
+        per_gpu = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
+        tf = f"{r['tokens_per_s'] * flops / 1e12:.0f}" if flops else "-"
+        print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8}")
+    path = out / f"s10_{a.model}_x{a.gpus}_{a.tag}.json"
+    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""A sharded executor over two GPUs (marker `gpu`; skipped with fewer than two): ranks joined by
+torch.distributed, a tenant on either GPU or the CPU at parity, a rank killed mid-call."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from symbiont import VirtLayer, connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont.client.errors import ExecutorUnavailableError, NotAttachedError
+from tests.conftest import Executor, running_executor
+from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.test_shards import _children
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+
+@pytest.mark.parametrize("tenant", ["cuda:0", "cuda:1", "cpu"])
+def test_two_gpu_ranks_parity(tenant):
+    """Layer 0 on cuda:0, layer 1 on cuda:1: a tenant on either GPU calls one rank on its own GPU
+    and one as a peer; a CPU tenant both through page-locked host mailboxes."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    name = "tiny-llama"
+    tol = dict(rtol=1e-5, atol=1e-5) if tenant != "cpu" else dict(rtol=1e-4, atol=1e-4)
+    with running_executor(name, "--devices", "cuda:0,cuda:1") as ex:
+        conn = connect(ex.url)
+        assert [s.urls[0] for s in conn.catalog().shards] == [ex.url, ex.url + ".r1"]
+        ref = build_builtin(name).to(tenant)
+        virt = virtualize(build_builtin(name).to(tenant), conn)
+        assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == 2
+        if tenant != "cpu":
+            assert all(t.area_device is not None for t in conn.transports), "a GPU tenant's mailboxes are device memory"
+        x = ids(2, 13).to(tenant)
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, **tol)
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
+        ref_l = lora_model(name, base=build_builtin(name).to(tenant))
+        virt_l = virtualize(lora_model(name, base=build_builtin(name).to(tenant)), ex.url)
+        for m in (ref_l, virt_l):
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=tol["rtol"])
+        big = ids(4, 200).to(tenant)  # the mailboxes grow, on both ranks
+        with torch.no_grad():
+            torch.testing.assert_close(virt(big).logits, ref(big).logits, **tol)
+        conn.close()
+
+
+def test_a_gpu_rank_killed_mid_call_gives_a_typed_error_not_a_hang():
+    ex = Executor("tiny-llama", "--devices", "cuda:0,cuda:1")
+    try:
+        (rank1,) = _children(ex.pid)
+        virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        x = ids(1, 8).cuda()
+        with torch.no_grad():
+            virt(x)
+        os.kill(rank1, signal.SIGSTOP)
+        failure = []
+
+        def forward():
+            try:
+                with torch.no_grad():
+                    virt(x)  # (its calls to rank 1 return early; the forward's end waits for their replies)
+                torch.cuda.synchronize()
+            except Exception as e:
+                failure.append(e)
+
+        t = threading.Thread(target=forward)
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive(), "the forward did not wait for the stopped rank"
+        os.kill(rank1, signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive(), "the tenant hangs after its rank died"
+        assert failure and isinstance(failure[0], (ExecutorUnavailableError, NotAttachedError)), failure
+        assert ex.proc.wait(60) == 1
+        with pytest.raises(ExecutorUnavailableError):
+            with torch.no_grad():
+                virt(x)
+    finally:
+        ex.stop()
