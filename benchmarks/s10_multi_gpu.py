@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("--ks", default="2,4,8")
     p.add_argument("--max-processes", type=int, default=6, help="the most plain processes to run (each holds a whole model)")
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
+    p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (default: one with --serve-args)')
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
@@ -56,32 +57,50 @@ def main() -> int:
         return r
 
     rows = []
+    path = out / f"s10_{a.model}_x{a.gpus}_{a.tag}.json"
+
+    def save():
+        path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}; {a.gpus} GPUs", flush=True)
     for k in ks:
         if k <= a.max_processes:
             res, _, peaks = fleet.run_fleet([["--mode", "plain", *common(i)] for i in range(k)], a.seconds, per_gpu=True)
             rows.append(row(k, "processes", res, peaks))
-    t0 = time.monotonic()
-    proc, url = fleet.start_executor(a.model, devices[0], "--devices", ",".join(devices), *a.serve_args.split(), log_dir=out)
-    print(f"executor over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
-    try:
-        for k in ks:
-            before = fleet.executor_stats(url)
-            res, _, peaks = fleet.run_fleet([["--mode", "symbiont", "--url", url, *common(i)] for i in range(k)], a.seconds,
-                                            per_gpu=True)
-            after = fleet.executor_stats(url)
-            rows.append(row(k, f"symbiont layers x{a.gpus}", res, peaks, batches=fleet.batch_share(before, after)))
-    finally:
-        fleet.stop(proc)
+            save()
+    variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="layers", serve_args=a.serve_args))
+    for name, flags in variants:
+        t0 = time.monotonic()
+        proc, url = fleet.start_executor(a.model, devices[0], "--devices", ",".join(devices), *flags, log_dir=out)
+        print(f"executor {name} over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
+        try:
+            for k in ks:
+                who = f"symbiont {name} x{a.gpus}"
+                before = fleet.executor_stats(url)
+                try:
+                    res, _, peaks = fleet.run_fleet([["--mode", "symbiont", "--url", url, *common(i)] for i in range(k)],
+                                                    a.seconds, per_gpu=True)
+                except RuntimeError as e:  # (say so, and go on with the next K: the executor log says why)
+                    rows.append({"k": k, "who": who, "failed": str(e)})
+                    print(json.dumps(rows[-1]), flush=True)
+                    save()
+                    break
+                after = fleet.executor_stats(url)
+                rows.append(row(k, who, res, peaks, batches=fleet.batch_share(before, after)))
+                save()
+        finally:
+            fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
     print(f"\nS10 {a.model} on {a.gpus} GPUs, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
     print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8}")
     for r in rows:
+        if "failed" in r:
+            print(f"{r['k']:>3} {r['who']:<22} failed: {r['failed']}")
+            continue
         per_gpu = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
         tf = f"{r['tokens_per_s'] * flops / 1e12:.0f}" if flops else "-"
         print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8}")
-    path = out / f"s10_{a.model}_x{a.gpus}_{a.tag}.json"
-    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    save()
     print(f"wrote {path}")
     return 0
 
