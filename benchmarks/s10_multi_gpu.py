@@ -68,7 +68,7 @@ def main() -> int:
             res, _, peaks = fleet.run_fleet([["--mode", "plain", *common(i)] for i in range(k)], a.seconds, per_gpu=True)
             rows.append(row(k, "processes", res, peaks))
             save()
-    variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="layers", serve_args=a.serve_args))
+    variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="opportunistic", serve_args=a.serve_args))
     for name, flags in variants:
         t0 = time.monotonic()
         proc, url = fleet.start_executor(a.model, devices[0], "--devices", ",".join(devices), *flags, log_dir=out)
