@@ -255,8 +255,8 @@ class VirtEmbedding(VirtLayer):
 class VirtOwnForward(VirtLayer):
     """A Linear or Embedding subclass with a forward of its own (OPT's learned positions add an
     offset to the ids, Falcon's Linear is `x @ W.T`, ...): that forward runs here, and where it
-    uses its weight, `F.linear(x, weight, bias)`, `x @ weight.T` or `F.embedding(ids, weight, ...)`,
-    the unit is called instead. Any other use of the weight's values raises the placeholder's
+    uses its weight, `F.linear(x, weight, bias)`, `x @ weight.T`, `F.embedding(ids, weight, ...)`,
+    `weight[a:b]` or `weight[ids]` (Whisper's positions), the unit is called instead. Any other use of the weight's values raises the placeholder's
     error naming the unit."""
 
     def forward(self, *args, **kwargs):
@@ -304,7 +304,21 @@ class _WeightUses(torch.overrides.TorchFunctionMode):
                     raise ModelMismatchError(f"{s.unit_id}: an embedding with max_norm renormalises its weight in place, "
                                              "which the executor's weight does not allow")
                 return call_unit(_int64(ids), s._shim_id, pb.FORWARD)
+        if func is torch.Tensor.__getitem__ and s._kind == "embedding" and self._mine(args[0]):
+            return call_unit(_rows(args[0], args[1], s.unit_id), s._shim_id, pb.FORWARD)  # weight[a:b], weight[ids]
         return func(*args, **kwargs)
+
+
+def _rows(weight: RemoteWeight, index, unit: str) -> torch.Tensor:
+    """The ids an index of an embedding's weight selects (Whisper's positions: weight[a:b] or
+    weight[ids]) as int64, so the lookup is the unit's call; anything else raises naming the unit."""
+    if isinstance(index, slice) and index.step in (None, 1):
+        a, b, _ = index.indices(weight.shape[0])
+        return torch.arange(a, max(a, b), device=weight.device)
+    if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype is not torch.bool:
+        return _int64(index)
+    raise ModelMismatchError(f"{unit}: its forward indexes its weight with {type(index).__name__} {index!r}; "
+                             "symbiont serves weight[a:b] and weight[ids] as lookups, not this")
 
 
 _LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)

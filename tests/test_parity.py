@@ -261,6 +261,37 @@ def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor, cls):
     assert_grads_close(lora_grads(ref), lora_grads(virt))
 
 
+class _IndexedEmbedding(torch.nn.Embedding):
+    """An Embedding whose forward indexes its weight (Whisper's positions: weight[a:b], weight[ids])."""
+
+    def forward(self, ids):
+        return self.weight[ids] + self.weight[2 : 2 + ids.shape[-1]]
+
+
+def _with_indexed_embedding():
+    model = build_builtin("tiny-llama")
+    old = model.model.embed_tokens
+    new = _IndexedEmbedding(old.num_embeddings, old.embedding_dim)
+    new.weight = old.weight
+    model.model.embed_tokens = new
+    return model
+
+
+def test_an_embedding_that_indexes_its_weight(executor_for, tmp_path):
+    """weight[ids] and weight[a:b] in an Embedding's own forward are lookups by the executor."""
+    from tests.conftest import running_executor
+
+    _with_indexed_embedding().save_pretrained(tmp_path)
+    with running_executor(str(tmp_path)) as ex:
+        ref, virt = _with_indexed_embedding(), virtualize(_with_indexed_embedding(), ex.url)
+        assert type(virt.model.embed_tokens).__name__ == "Virt_IndexedEmbedding"
+        x = ids(2, 9)
+        with torch.no_grad():
+            assert torch.equal(ref(x).logits, virt(x).logits)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(x[:1, :5], **kw), virt.generate(x[:1, :5], **kw))
+
+
 def test_a_forward_that_reads_the_weight_says_which_unit(executor):
     virt = virtualize(_with_own_linear(_ReadingLinear), executor.url)
     with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.mlp\.down_proj' is served by the base executor"):
