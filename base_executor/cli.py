@@ -16,6 +16,7 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import typing  # noqa: E402
 import time  # noqa: E402
 
 from symbiont.base_executor import models  # noqa: E402
@@ -82,15 +83,18 @@ def _serve(args: argparse.Namespace) -> int:
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
+    tensor = shard is not None and shard.placement == "tensor"  # (every call runs over every rank, from rank 0's loop)
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
-        gpu_waits=not args.no_gpu_waits, graph_tokens=args.graph_tokens, native_serve=not args.no_native_serve,
-        solo_tokens=args.solo_tokens,
+        gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
+        native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
     loaded = models.load_model(model_name, dtype)
     table = cat.UnitTable(loaded.model)
+    if tensor:  # (a gated MLP's forward would need a reduction over the ranks: tenants call its Linears)
+        table.keep(u for u, unit in table.units.items() if unit.kind != cat.MLP)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
         model=loaded.name,
@@ -108,18 +112,28 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.no_gpu_waits and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
             log.warning("CUDA_MODULE_LOADING=%s: a kernel's first launch may wait for a tenant's stalled input copy, "
                         "stalling every tenant (unset it, or serve with --no-gpu-waits)", os.environ.get("CUDA_MODULE_LOADING"))
-    if shard is not None:  # every rank computes the same placement, keeps its own units
+    if shard is not None and not tensor:  # every rank computes the same placement, keeps its own units
         rank_of = shards.place_layers(table, shard.world)
         for info in catalog.units:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
-    table.to(device, fuse_act=not args.no_fused_act)
+    tp = None
+    if tensor:
+        from symbiont.base_executor.tensor_parallel import TensorParallel
+
+        tp = TensorParallel(table, shard.rank, shard.world, device)  # (keeps this rank's slices only)
+        if shard.rank != 0:
+            return _follow(shard, tp, children, log)
+    else:
+        table.to(device, fuse_act=not args.no_fused_act)
     core = ExecutorCore(table, dtype, device, sched)
+    core.tp = tp
     server = LocalServer(core, catalog, skeleton, server_config)
     log.info(
-        "model %s: %d units, %.1f M frozen parameters, %s on %s, loaded in %.1f s",
-        catalog.model, len(table), table.parameter_count() / 1e6, args.dtype, device, time.monotonic() - t0,
+        "model %s: %d units, %.1f M frozen parameters%s, %s on %s, loaded in %.1f s",
+        catalog.model, len(table), (tp or table).parameter_count() / 1e6, " (this rank's slices)" if tp else "",
+        args.dtype, device, time.monotonic() - t0,
     )
     log.info("batching: %s, max wait %d us (inference %d us), max batch %d tokens%s",
              sched.policy, sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens,
@@ -159,7 +173,17 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     on_bound, lost = None, []
-    if shard is not None:
+    if tensor:
+        def on_rank_lost(why: str):  # (rank 0 may be blocked in a collective with the lost rank)
+            if server.stopping.is_set():
+                return
+            log.error("%s: stopping (every tenant gets ExecutorUnavailableError)", why)
+            shards.stop_ranks(children, timeout_s=5)
+            os._exit(1)
+
+        shards.watch(shard, children, on_rank_lost)
+        log.info("rank 0 of %d leads every call (tensor placement)", shard.world)
+    elif shard is not None:
         advertised = [u for u in listens if u.startswith("local://")]
         advertised += [shards.advertised_grpc(n, g.port) for (s, n), g in zip([p for p in parsed if p[0] == "grpc"], grpc_servers)]
         for rank_urls in shards.exchange_urls(" ".join(advertised)):
@@ -168,9 +192,11 @@ def _serve(args: argparse.Namespace) -> int:
                  table.parameter_count() / 1e6, device)
         started = threading.Event()
 
-        def on_bound():  # no rank answers before every rank can
+        def all_bound():  # no rank answers before every rank can
             shards.barrier()
             started.set()
+
+        on_bound = all_bound
 
         def on_rank_lost(why: str):
             if server.stopping.is_set():  # (we stop the ranks we started)
@@ -189,12 +215,37 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for g in grpc_servers:
             g.stop()
+        if tp is not None:
+            try:
+                tp.stop()
+            except Exception as e:  # (a rank already gone: nothing to stop there)
+                log.warning("ending the other ranks' loop: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
         if shard is not None:
-            codes = shards.stop_ranks(children)
+            codes = shards.stop_ranks(children, grace_s=30 if tp is not None else 0)  # (tp.stop() ends theirs)
             lost += [f"rank {r} exited with code {c}" for r, c in enumerate(codes, start=1) if c]
             shards.leave_group()
     log.info("stopped")
     return 1 if lost else 0
+
+
+def _follow(shard, tp, children, log: logging.Logger) -> "typing.NoReturn":
+    """A rank beyond the first under --placement tensor: computes its slices of rank 0's calls
+    until rank 0 says stop (or is gone)."""
+    from symbiont.base_executor import shards
+
+    def on_rank_lost(why: str):  # (blocked in a collective with it)
+        log.error("%s: stopping", why)
+        os._exit(1)
+
+    shards.watch(shard, children, on_rank_lost)
+    log.info("rank %d of %d follows rank 0 (tensor placement)", shard.rank, shard.world)
+    tp.follow()
+    log.info("stopped")
+    # (tearing the group down while rank 0 still talks to the other followers can abort in gloo's
+    # C++; this process has nothing left to release: leave at once)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _mps_running() -> bool:
@@ -271,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--devices", default=None, help="one executor over several processes, one per device listed "
                    "(cuda:0,cuda:1 or cpu,cpu): each serves its share of the layers on its own address (NAME.rR, "
                    "gRPC PORT+R), and tenants still name the first; under torchrun, the devices of each host's ranks")
-    s.add_argument("--placement", default="layers", choices=["layers"], help="with --devices: how the units are spread "
-                   "(layers: whole layers per rank, balanced by memory and FLOPs)")
+    s.add_argument("--placement", default="layers", choices=["layers", "tensor"], help="with --devices: how the units are "
+                   "spread (layers: whole layers per rank, balanced by memory and FLOPs; tensor: every unit's rows "
+                   "over every rank, rank 0 leading each call)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--policy", default="opportunistic", choices=["opportunistic", "lockstep", "no-lockstep"],
                    help="when a unit's queue runs: after its class's wait or when no one else can join (opportunistic), "

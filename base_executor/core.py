@@ -39,6 +39,10 @@ def clip(message: str, limit: int = 300) -> str:
     return message if len(data) <= limit else data[: limit - 3].decode(errors="ignore") + "..."
 
 
+class Unavailable(Exception):
+    """The executor can serve no call any more (a rank of it is lost): UNAVAILABLE, never retried."""
+
+
 @dataclasses.dataclass
 class Result:
     call: Call
@@ -91,6 +95,12 @@ class ExecutorCore:
         self.device = device
         self.scheduler = Scheduler(config)
         self.counters = Counters()
+        self.tp = None  # a TensorParallel (--placement tensor): each batch runs over every rank
+
+    def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp is not None:
+            return self.tp.run(unit, op, x, out)
+        return runner.run(unit, op, x, exact, out)
 
     # ---- validation -------------------------------------------------------
 
@@ -189,11 +199,11 @@ class ExecutorCore:
                 c = calls[0]
                 if c.graphs is not None:
                     return [Result(c, c.graphs.run(c, exact))]
-                return [Result(c, runner.run(c.unit, c.op, c.x, exact, c.out).view(c.out_shape))]
+                return [Result(c, self._gemm(c.unit, c.op, c.x, exact, c.out).view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
-            y = runner.run(calls[0].unit, calls[0].op, x, exact)
+            y = self._gemm(calls[0].unit, calls[0].op, x, exact)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
-            if len(calls) > 1:
+            if len(calls) > 1 and not isinstance(e, Unavailable):
                 return [r for c in calls for r in self._run([c])]
             return self._fail(calls, e)
         results, start = [], 0
@@ -205,7 +215,8 @@ class ExecutorCore:
     def _fail(self, calls: list[Call], e: Exception) -> list[Result]:
         log.exception("running %s failed", calls[0].unit.id)
         self.counters.errors += len(calls)
-        err = CallError(pb.INTERNAL, f"{type(e).__name__}: {e}")
+        code = pb.UNAVAILABLE if isinstance(e, Unavailable) else pb.INTERNAL
+        err = CallError(code, f"{type(e).__name__}: {e}")
         return [Result(c, None, err) for c in calls]
 
     def _count(self, calls: list[Call]) -> None:

@@ -35,7 +35,7 @@ from symbiont.base_executor.catalog import EMBEDDING, UnitTable
 
 log = logging.getLogger("base_executor")
 
-PLACEMENTS = ("layers",)
+PLACEMENTS = ("layers", "tensor")
 URL_BYTES = 1024  # a rank's addresses, space-separated, utf-8, zero-padded, as exchanged between the ranks
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")  # a module path up to its first numeric part: model.layers.3
 
@@ -248,8 +248,15 @@ def watch(shard: ShardConfig, children: list[subprocess.Popen], stop) -> threadi
     return t
 
 
-def stop_ranks(children: list[subprocess.Popen], timeout_s: float = 30.0) -> list[int]:
-    """Stops the ranks this one started (SIGTERM, then SIGKILL after timeout_s); their exit codes."""
+def stop_ranks(children: list[subprocess.Popen], timeout_s: float = 30.0, grace_s: float = 0.0) -> list[int]:
+    """Stops the ranks this one started (after grace_s for them to exit by themselves, SIGTERM,
+    then SIGKILL after timeout_s); their exit codes."""
+    deadline = time.monotonic() + grace_s
+    for p in children:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
     for p in children:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

@@ -23,19 +23,22 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("tenant", ["cuda:0", "cuda:1", "cpu"])
-def test_two_gpu_ranks_parity(tenant):
-    """Layer 0 on cuda:0, layer 1 on cuda:1: a tenant on either GPU calls one rank on its own GPU
-    and one as a peer; a CPU tenant both through page-locked host mailboxes."""
+@pytest.mark.parametrize("tenant,placement", [("cuda:0", "layers"), ("cuda:1", "layers"), ("cpu", "layers"),
+                                              ("cuda:0", "tensor"), ("cuda:1", "tensor")])
+def test_two_gpu_ranks_parity(tenant, placement):
+    """Layers: layer 0 on cuda:0, layer 1 on cuda:1; a tenant on either GPU calls one rank on its
+    own GPU and one as a peer; a CPU tenant both through page-locked host mailboxes. Tensor: rank
+    0 on cuda:0 serves every call, its parts computed on both GPUs (NCCL)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     name = "tiny-llama"
     tol = dict(rtol=1e-5, atol=1e-5) if tenant != "cpu" else dict(rtol=1e-4, atol=1e-4)
-    with running_executor(name, "--devices", "cuda:0,cuda:1") as ex:
+    with running_executor(name, "--devices", "cuda:0,cuda:1", "--placement", placement) as ex:
         conn = connect(ex.url)
-        assert [s.urls[0] for s in conn.catalog().shards] == [ex.url, ex.url + ".r1"]
         ref = build_builtin(name).to(tenant)
         virt = virtualize(build_builtin(name).to(tenant), conn)
-        assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == 2
+        if placement == "layers":
+            assert [s.urls[0] for s in conn.catalog().shards] == [ex.url, ex.url + ".r1"]
+            assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == 2
         if tenant != "cpu":
             assert all(t.area_device is not None for t in conn.transports), "a GPU tenant's mailboxes are device memory"
         x = ids(2, 13).to(tenant)

@@ -59,17 +59,25 @@ def test_one_device_is_one_process():
         shards.ShardConfig(devices=("cpu", "cpu"), placement="rows", rank=0, world=2, local_rank=0, launched=True)
 
 
+@pytest.mark.parametrize("placement", ["layers", "tensor"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_executor_matches_the_unsplit_model(world):
-    """Logits bitwise, greedy tokens, LoRA gradients over two steps, through ranks over gloo."""
+def test_sharded_executor_matches_the_unsplit_model(world, placement):
+    """Logits bitwise, greedy tokens, LoRA gradients over two steps, through ranks over gloo: whole
+    layers per rank, or every unit's rows over every rank (its backward's sum over the ranks is
+    equal to rounding)."""
     name = "tiny-llama"
-    with running_executor(name, "--devices", ",".join(["cpu"] * world)) as ex:
+    with running_executor(name, "--devices", ",".join(["cpu"] * world), "--placement", placement) as ex:
         conn = connect(ex.url)
-        assert len(conn.catalog().shards) == world
-        assert {u.rank for u in conn.catalog().units} == set(range(world))
         ref, virt = build_builtin(name), virtualize(build_builtin(name), conn)
         assert sum(isinstance(m, VirtLayer) for m in virt.modules()) >= 8
-        assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == world
+        if placement == "layers":
+            assert len(conn.catalog().shards) == world
+            assert {u.rank for u in conn.catalog().units} == set(range(world))
+            assert len({m.transport.url for m in virt.modules() if isinstance(m, VirtLayer)}) == world
+        else:  # one address, rank 0's; no whole-MLP units
+            assert not conn.catalog().shards and len(conn.transports) == 1
+            assert not [u for u in conn.catalog().units if u.kind == "mlp"]
+            assert f"rank 0 of {world} leads every call" in ex.log()
         x = ids(2, 17)
         with torch.no_grad():
             a, b = ref(x).logits, virt(x).logits
@@ -109,8 +117,9 @@ def test_any_rank_address_serves_the_whole_model_and_grpc_tenants_get_grpc_ranks
                     assert torch.equal(virt(x).logits, want)
 
 
-def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang():
-    ex = Executor("tiny-llama", "--devices", "cpu,cpu")
+@pytest.mark.parametrize("placement", ["layers", "tensor"])
+def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang(placement):
+    ex = Executor("tiny-llama", "--devices", "cpu,cpu", "--placement", placement)
     try:
         (rank1,) = _children(ex.pid)
         conn = connect(ex.url)
@@ -118,7 +127,7 @@ def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang():
         x = ids(1, 8)
         with torch.no_grad():
             virt(x)
-        os.kill(rank1, signal.SIGSTOP)  # its calls wait: the next forward is in flight there
+        os.kill(rank1, signal.SIGSTOP)  # its calls (its part of each, under tensor) wait: the next forward is in flight
         failure = []
 
         def forward():
@@ -137,7 +146,7 @@ def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang():
         assert not t.is_alive(), "the tenant hangs after its rank died"
         assert failure and isinstance(failure[0], ExecutorUnavailableError), failure
         assert ex.proc.wait(60) == 1  # rank 0 stops too, and says a rank was lost
-        assert "rank 1" in ex.log() and "exited with code" in ex.log()
+        assert "rank 1" in ex.log() and "exited with code" in ex.log(), ex.log()
         with pytest.raises(ExecutorUnavailableError):
             with torch.no_grad():
                 virt(x)

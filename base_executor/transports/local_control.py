@@ -118,6 +118,9 @@ class LocalControl:
             return control_error(pb.UNKNOWN_UNIT, f"unit {unit_id!r} is not served by this executor")
         if unit.kind not in (LINEAR, CONV1D):
             return control_error(pb.INVALID_ARGUMENT, f"unit {unit_id!r} is a {unit.kind} unit: norms are of linear units' weights")
+        if unit.weight is None:  # (--placement tensor: this rank holds a slice)
+            return control_error(pb.INVALID_ARGUMENT, f"unit {unit_id!r}: its norms (DoRA) are not served by an executor "
+                                 "with --placement tensor; serve with --placement layers")
         if unit_id not in self._row_norms:
             w = unit.weight
             dim = 1 if unit.kind == LINEAR else 0  # (a Conv1D's weight is [in, out])
