@@ -11,6 +11,7 @@ read one input (q/k/v, gate/up) may share one call: see client/fusion.py.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 import weakref
 
@@ -46,10 +47,14 @@ class RemoteWeight(torch.Tensor):
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", me.dtype) == me.dtype:
             # model.to(device) moves the placeholder, not values; the executor keeps serving the unit
             return RemoteWeight(me.shape, me.dtype, kwargs.get("device") or me.device, me.unit, me.url)
+        method = _peft_method_reading()
         raise RuntimeError(
             f"'{me.unit}' is served by the base executor at {me.url}: this process holds only a placeholder "
-            f"(shape {list(me.shape)}, {me.dtype}), so its values cannot be read ({func}). Call the module "
-            "instead of reading its weight; merging adapters into the base weight or DoRA need the weights locally."
+            f"(shape {list(me.shape)}, {me.dtype}), so its values cannot be read ({func}). "
+            + (f"PEFT's {method} computes with the frozen weight's values (not only through a call of its base "
+               "layer), and those never leave the executor: use a method that calls its base layer (LoRA, DoRA, "
+               "LoHa, LoKr, OFT, BOFT, IA3, VeRA, AdaLoRA, prompt or prefix tuning, ...)." if method else
+               "Call the module instead of reading its weight; merging adapters into the base weight needs the weights locally.")
         )
 
     def __repr__(self, *, tensor_contents=None):
@@ -60,6 +65,18 @@ class RemoteWeight(torch.Tensor):
             f"'{self.unit}' is served by the base executor at {self.url}: this process holds only a placeholder, "
             "which cannot be saved; save the adapter (PEFT save_pretrained) instead of the full model"
         )
+
+
+def _peft_method_reading() -> str:
+    """The PEFT method (upper case, as PEFT names it) whose code is reading a placeholder's
+    values, from the calling frames; "" when none is."""
+    f = sys._getframe(2)
+    while f is not None:
+        parts = f.f_code.co_filename.replace("\\", "/").split("/peft/tuners/")
+        if len(parts) == 2 and "/" in parts[1]:
+            return parts[1].split("/")[0].upper()
+        f = f.f_back
+    return ""
 
 
 # ---- the custom op ----------------------------------------------------------------

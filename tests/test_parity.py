@@ -292,6 +292,17 @@ def test_an_embedding_that_indexes_its_weight(executor_for, tmp_path):
         assert torch.equal(ref.generate(x[:1, :5], **kw), virt.generate(x[:1, :5], **kw))
 
 
+def test_a_peft_method_that_reads_the_frozen_weight_is_refused_by_name(executor):
+    """HRA multiplies the frozen weight by its reflections: the error names the method and the unit."""
+    import peft
+
+    virt = _seeded_peft(virtualize(build_builtin("tiny-llama"), executor.url),
+                        peft.HRAConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.self_attn\.q_proj' is served .* PEFT's HRA computes with "
+                       r"the frozen weight's values"):
+        virt(ids(1, 5))
+
+
 def test_a_forward_that_reads_the_weight_says_which_unit(executor):
     virt = virtualize(_with_own_linear(_ReadingLinear), executor.url)
     with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.mlp\.down_proj' is served by the base executor"):
