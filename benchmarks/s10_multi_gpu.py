@@ -1,12 +1,14 @@
 """S10: K fine-tuning tenants on one executor over several GPUs (layer placement) against K
 independent HF + PEFT processes spread over the same GPUs (MPS on).
 
-    python benchmarks/s10_multi_gpu.py --model llama-8b --gpus 2 --ks 2,4,8,16 [--max-processes 6] [--seconds 20]
+    python benchmarks/s10_multi_gpu.py --model llama-8b --gpus 2 --ks 1,4,8,12 [--max-processes 6] [--seconds 20]
+        [--executors "layers=;tensor=--placement tensor"]
 
 Tenant i (and process i) sits on GPU i mod --gpus. The executor is `base-executor serve --devices
-cuda:0,...,cuda:G-1`: each rank holds its share of the layers, so one copy of the model is spread
-over the GPUs; a tenant calls the rank on its own GPU through same-GPU mailboxes and the others as
-peers. The work per tenant is S2's (LoRA on q, v; ranks 8/16/32/64 cycling; 2 x 512 tokens per
+cuda:0,...,cuda:G-1`: with layer placement (the default) each rank holds its share of the layers,
+so one copy of the model is spread over the GPUs, and a tenant calls the rank on its own GPU
+through same-GPU mailboxes and the others as peers; with `--placement tensor` (an --executors
+variant) every rank holds a slice of every unit and tenants call rank 0. The work per tenant is S2's (LoRA on q, v; ranks 8/16/32/64 cycling; 2 x 512 tokens per
 step; AdamW). Memory per GPU is nvidia-smi's peak minus what the GPU held before anything started.
 Prints a table, writes JSON into --out.
 """
@@ -27,7 +29,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-8b")
     p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--ks", default="2,4,8")
+    p.add_argument("--ks", default="1,4,8,12")
     p.add_argument("--max-processes", type=int, default=6, help="the most plain processes to run (each holds a whole model)")
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (default: one with --serve-args)')
