@@ -68,13 +68,16 @@ class RemoteWeight(torch.Tensor):
 
 
 def _peft_method_reading() -> str:
-    """The PEFT method (upper case, as PEFT names it) whose code is reading a placeholder's
-    values, from the calling frames; "" when none is."""
+    """The PEFT method whose code is reading a placeholder's values, from the calling frames: its
+    name as PEFT's folder has it, upper case, and the class whose code it is ("HRA (HRALinear)",
+    "LORA (ParamWrapper)"); "" when none is."""
     f = sys._getframe(2)
     while f is not None:
         parts = f.f_code.co_filename.replace("\\", "/").split("/peft/tuners/")
         if len(parts) == 2 and "/" in parts[1]:
-            return parts[1].split("/")[0].upper()
+            qualname = getattr(f.f_code, "co_qualname", "")
+            owner = f" ({qualname.split('.')[0]})" if "." in qualname else ""
+            return parts[1].split("/")[0].upper() + owner
         f = f.f_back
     return ""
 

@@ -298,7 +298,7 @@ def test_a_peft_method_that_reads_the_frozen_weight_is_refused_by_name(executor)
 
     virt = _seeded_peft(virtualize(build_builtin("tiny-llama"), executor.url),
                         peft.HRAConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.self_attn\.q_proj' is served .* PEFT's HRA computes with "
+    with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.self_attn\.q_proj' is served .* PEFT's HRA \(HRALinear\) computes with "
                        r"the frozen weight's values"):
         virt(ids(1, 5))
 
