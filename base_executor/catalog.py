@@ -15,7 +15,7 @@ from torch import nn
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import dtype_enum
 from symbiont.proto.fingerprint import fingerprint
-from symbiont.proto import gated_mlp
+from symbiont.proto import experts, gated_mlp
 
 LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
 
@@ -118,12 +118,24 @@ class UnitTable:
             module = model.get_submodule(path)
             for pname, _ in module.named_parameters(recurse=False):
                 self._unit_param_names.add(f"{path}.{pname}")
+        for path, module in model.named_modules():
+            for pname in experts.expert_params(module):
+                self._add_experts(path, pname, getattr(module, pname).detach())
         for members in sibling_sets(self.units.values()):
             self._add_group(model, members)
         for path, module in model.named_modules():
             layout = gated_mlp.layout(module)
             if layout is not None:
                 self._add_mlp(path, module, layout)
+
+    def _add_experts(self, path: str, name: str, weight: torch.Tensor) -> None:
+        """One Linear unit per expert of a 3-D expert weight [experts, out, in] (proto/experts.py):
+        each unit's weight is a view of it, so they cost no memory of their own."""
+        for e in range(weight.shape[0]):
+            uid = experts.expert_unit(path, name, e)
+            self.units[uid] = Unit(id=uid, kind=LINEAR, weight=weight[e], bias=None, in_features=weight.shape[2],
+                                   out_features=weight.shape[1], fingerprint=fingerprint(weight[e]))
+        self._unit_param_names.add(f"{path}.{name}" if path else name)
 
     def _add_group(self, model: nn.Module, members: list[Unit]) -> None:
         """A group unit over `members`: its weight is theirs stacked, [sum of out, in]; theirs

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from symbiont.client.errors import ModelMismatchError
+from symbiont.client.experts import make_experts_shim
 from symbiont.client.fusion import fuse_siblings
 from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtScaledEmbedding, make_shim
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec
+from symbiont.proto.experts import expert_params
 from symbiont.proto.fingerprint import fingerprint
 
 
@@ -146,9 +148,24 @@ def virtualize(
             raise ValueError(f"{name} is already virtualized (served by {module.transport.url})")
         by_unit.setdefault(unit_path(name), []).append((name, module))
 
-    plan = []
+    expert_weights = {  # a served expert unit's id but its number -> (module name, weight name, module)
+        (f"{unit_path(name)}.{pname}" if name else pname): (name, pname, module)
+        for name, module in root.named_modules() for pname in expert_params(module)
+    }
+    plan, served_experts = [], {}  # module name -> (module, {weight name: [its experts' units]})
     for unit in catalog.units:
         if unit.members:  # a group of sibling units or an MLP block: no weights of its own
+            continue
+        prefix, _, number = unit.id.rpartition(".")
+        if prefix in expert_weights and number.isdigit():  # one expert of a 3-D weight (proto/experts.py)
+            name, pname, module = expert_weights[prefix]
+            units = served_experts.setdefault(name, (module, {}))[1].setdefault(pname, [])
+            w = module._parameters[pname]
+            if int(number) != len(units) or int(number) >= w.shape[0]:
+                raise ModelMismatchError(f"the executor serves expert unit {unit.id!r}, which this model does not have")
+            if check_weights and w.device.type != "meta" and fingerprint(w[int(number)]) != unit.fingerprint:
+                raise ModelMismatchError(f"unit {unit.id!r}: weights differ from the served model's")
+            units.append(unit)
             continue
         found = [(n, m) for n, m in by_unit.get(unit.id, []) if m.__dict__.get("_parameters", {}).get("weight") is not None]
         if not found:
@@ -181,6 +198,13 @@ def virtualize(
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         setattr(parent, attr, shim)
+    expert_refs = []
+    for name, (module, units) in served_experts.items():
+        first = next(iter(units.values()))[0]
+        shim = make_experts_shim(module, units, conn.transport_for(first), served_dtype, device)
+        expert_refs += [r for refs in shim._experts.values() for r in refs]
+        parent_name, _, attr = name.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, attr, shim)
     if mask is not None:
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
         mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
@@ -188,7 +212,7 @@ def virtualize(
         serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
     groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
     if mask is not None:
-        for ref in [*shims.values(), *groups]:
+        for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transports))
