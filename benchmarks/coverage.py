@@ -8,7 +8,8 @@ with seeded random weights and run once ("constructible" when both work); saved 
 real `base-executor` process; a fresh copy virtualized; then against the unsplit model: logits
 bitwise, greedy tokens identical, LoRA gradients (all linear layers, r 4, dropout off; the attention's
 linear layers where the unsplit PEFT model cannot train all, said in the row) within 1e-5 relative,
-the loss a cross-entropy of the logits against the next ids.
+the loss a cross-entropy of the logits against the next ids. Both sides use transformers' eager
+experts implementation (served MoE experts run it in the tenant).
 Prints a table and the counts; writes coverage_<tag>.json into --out.
 """
 from __future__ import annotations
@@ -134,13 +135,16 @@ def check(model_type: str) -> dict:
         with tempfile.TemporaryDirectory() as d:
             stage = "save"
             ref.save_pretrained(d)
-            ref = AutoModelForCausalLM.from_pretrained(d).float().eval()  # (both sides load the checkpoint, as a user does)
+            # both sides load the checkpoint, as a user does, with the eager experts implementation (served
+            # experts run it in the tenant: proto/experts.py; grouped_mm's other kernel is equal to rounding)
+            load = lambda: AutoModelForCausalLM.from_pretrained(d, experts_implementation="eager").float().eval()  # noqa: E731
+            ref = load()
             with torch.no_grad():
                 want = ref(input_ids=x).logits
             stage = "serve"
             with running_executor(d) as ex:
                 stage = "virtualize"
-                virt = virtualize(AutoModelForCausalLM.from_pretrained(d).float().eval(), ex.url)
+                virt = virtualize(load(), ex.url)
                 stage = "logits"
                 with torch.no_grad():
                     got = virt(input_ids=x).logits
@@ -151,7 +155,7 @@ def check(model_type: str) -> dict:
                 if not torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw)):
                     return {"stage": stage, "why": "greedy tokens differ"}
                 stage = "lora"
-                fresh_ref = lambda: AutoModelForCausalLM.from_pretrained(d).float().eval()  # noqa: E731
+                fresh_ref = load
                 fresh_virt = lambda: virtualize(fresh_ref(), ex.url)  # noqa: E731
                 want_g, targets, tiers = None, None, lora_target_tiers(ref)
                 while tiers:  # the first the unsplit model can train
