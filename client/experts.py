@@ -1,7 +1,9 @@
 """Mixture-of-experts blocks whose experts the executor serves (proto/experts.py): the experts
 module stays the tenant's class and runs its own eager forward here (routing, the combine by the
 router's weights, everything a LoRA on the router or attention needs), while each expert's
-`F.linear(x, weight[e])` becomes a call of that expert's unit. Its 3-D weights are placeholders."""
+`F.linear(x, weight[e])` becomes a call of that expert's unit. Its 3-D weights are placeholders.
+PEFT's LoRA on an expert weight (ParamWrapper: the weight parametrized as W + delta) is kept as that
+sum: expert e's product is its call plus x delta_e^T, equal to rounding to x (W_e + delta_e)^T."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +29,8 @@ class VirtExperts(nn.Module):
     _experts: dict  # placeholder unit (module path.weight name) -> [ExpertRef per expert]
 
     def forward(self, *args, **kwargs):
-        eager = type(self).__bases__[1].forward.__wrapped__  # (not a grouped-mm implementation)
+        mro = type(self).__mro__  # (torch's parametrize subclasses our class: the replaced one follows VirtExperts)
+        eager = mro[mro.index(VirtExperts) + 1].forward.__wrapped__  # (not a grouped-mm implementation)
         with _ExpertUses(self):
             return eager(self, *args, **kwargs)
 
@@ -42,9 +45,19 @@ class _ExpertUses(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.shim = shim
 
+    def _served(self, t) -> bool:
+        return isinstance(t, RemoteWeight) and t.unit in self.shim._experts
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.__getitem__ and isinstance(args[0], RemoteWeight) and args[0].unit in self.shim._experts:
+        # PEFT's LoRA on an expert weight (ParamWrapper) parametrizes it as W + delta: kept as a sum
+        if func in (torch.Tensor.__add__, torch.add) and self._served(args[0]) and isinstance(args[1], torch.Tensor) \
+                and not kwargs:
+            return _with_delta(args[0], lambda e, d=args[1]: d[e])
+        if func is torch.baddbmm and self._served(args[0]) and kwargs.keys() <= {"alpha"} and len(args) == 3:
+            lhs, rhs, alpha = args[1], args[2], kwargs.get("alpha", 1)
+            return _with_delta(args[0], lambda e: torch.mm(lhs[e], rhs[e]) * alpha)
+        if func is torch.Tensor.__getitem__ and self._served(args[0]):
             e = args[1]
             if isinstance(e, torch.Tensor) and e.dim() == 0 and not e.is_floating_point():
                 e = int(e)
@@ -52,6 +65,7 @@ class _ExpertUses(torch.overrides.TorchFunctionMode):
                 ref = self.shim._experts[args[0].unit][e]
                 w = RemoteWeight((ref._d_out, ref._d_in), ref._dtype, args[0].device, ref.unit_id, args[0].url)
                 w.expert = ref
+                w.deltas = [d(e) for d in getattr(args[0], "deltas", ())]  # (each [out, in])
                 return w
         if func in _LINEAR_FUNCS:
             x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
@@ -63,8 +77,18 @@ class _ExpertUses(torch.overrides.TorchFunctionMode):
                                              "cannot stand in for")
                 if x.dtype != ref._dtype:
                     raise TypeError(f"{ref.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {ref._dtype}")
-                return call_unit(x, ref._shim_id, pb.FORWARD)
+                y = call_unit(x, ref._shim_id, pb.FORWARD)
+                for delta in w.deltas:  # x (W + delta)^T as x W^T + x delta^T: equal to rounding
+                    y = y + torch.nn.functional.linear(x, delta)
+                return y
         return func(*args, **kwargs)
+
+
+def _with_delta(w: RemoteWeight, delta) -> RemoteWeight:
+    """w plus a delta: a placeholder of w's unit whose expert e adds delta(e), [out, in], to its call."""
+    out = RemoteWeight(w.shape, w.dtype, w.device, w.unit, w.url)
+    out.deltas = [*getattr(w, "deltas", ()), delta]
+    return out
 
 
 _CLASSES: dict[type, type] = {}

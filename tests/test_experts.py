@@ -70,3 +70,25 @@ def test_moe_experts_are_served_and_exact(model_type, tmp_path):
             m(input_ids=x, labels=x).loss.backward()
         assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
         conn.close()
+
+
+def test_lora_on_the_served_expert_weights(tmp_path):
+    """PEFT's all-linear LoRA on Mixtral also adapts the 3-D expert weights (ParamWrapper: W + delta):
+    each expert's call plus x delta^T, equal to rounding to the unsplit x (W + delta)^T."""
+    from peft import LoraConfig, get_peft_model
+
+    _build("mixtral").save_pretrained(tmp_path)
+    with running_executor(str(tmp_path)) as ex:
+        def lora(m):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(2)
+                return get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+        ref, virt = lora(_build("mixtral", "eager")), lora(virtualize(_build("mixtral", "eager"), ex.url))
+        assert any("experts" in n and "lora_A" in n for n, _ in virt.named_parameters())
+        x = ids(2, 9)
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        for m in (ref, virt):
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
