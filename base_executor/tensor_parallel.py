@@ -9,8 +9,10 @@ group once and a member's call uses the rows of it that fall in the rank's range
 
 One call: rank 0 broadcasts a header (unit, op, shape) and the input; each rank computes its part:
 - FORWARD: its output columns (a row slice's GEMM: each output element is the same dot product as
-  unsplit, so the gathered result is the unsplit one); an Embedding looks up the ids in its range
-  and rank 0 takes each token's row from the rank that owns it (bitwise too);
+  unsplit; bitwise the unsplit result where the GEMM library sums it in the same order for the
+  narrower matrix, as in the tests at 2 and 4 ranks; 3 CPU ranks with unfused q/k/v calls were
+  1.8e-7 off); an Embedding looks up the ids in its range and rank 0 takes each token's row from
+  the rank that owns it (bitwise);
 - BACKWARD: grad_y's columns it owns times its rows, [tokens, in], summed over the ranks by rank 0
   in rank order (a sum in another order than one GEMM's: equal to rounding, not bitwise).
 Parts travel by `gather` to rank 0, padded to one width. Gated-MLP units are not served under this
@@ -52,41 +54,53 @@ class TensorParallel:
         table.keep(u for u, unit in table.units.items() if unit.kind != MLP)
         self.units = list(table.units.values())  # (the index a header names)
         self.index = {u.id: i for i, u in enumerate(self.units)}
-        self._mine: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(full weight) -> (my slice, a, b)
-        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor | None, int, int]] = {}  # unit -> (w, b, col a, col b)
+        groups = {u.id: u for u in self.units if u.members}
+        # every rank's [lo, hi) of each unit's output columns (an embedding's: its rows), computed once
+        self.bounds = {u.id: [self._columns(u, groups, r) for r in range(world)] for u in self.units}
+        # an embedding: the first id of ranks 1.., which tells the rank that owns an id
+        self.starts = {u.id: torch.tensor([lo for lo, _ in self.bounds[u.id][1:]], device=device)
+                       for u in self.units if u.kind == EMBEDDING}
+        mine: dict[int, torch.Tensor] = {}  # id(owner's full weight) -> this rank's slice of it
+        self.parts: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (weight slice, bias slice)
         for u in self.units:
-            self.parts[u.id] = self._part(u)
+            self.parts[u.id] = self._part(u, groups, mine)
         for u in self.units:  # the full tensors go: only the slices stay
             u.weight = None
             u.bias = None
-        self._mine.clear()
 
-    def _part(self, u: Unit):
-        """u's part on this rank: (weight slice, bias slice, [a, b) of u's output columns)."""
-        owner = u
-        while owner.group:  # a member: rows [m0, m1) of its group's weight
-            owner = next(g for g in self.units if g.id == owner.group)
-        m0, m1 = u.rows if u.group else (0, u.out_features if u.kind != EMBEDDING else u.in_features)
-        full = owner.weight
-        key = id(full)
-        if key not in self._mine:
-            n = full.shape[1] if owner.kind == CONV1D else full.shape[0]
-            a, b = rows_of(n, self.world, self.rank)
-            part = full[:, a:b] if owner.kind == CONV1D else full[a:b]
-            self._mine[key] = (part.contiguous().to(self.device), a, b)
-        w, a, b = self._mine[key]
+    @staticmethod
+    def _owner(u: Unit, groups: dict[str, Unit]) -> tuple[Unit, int, int, int]:
+        """The unit whose weight holds u's rows (its group, or u), its number of rows (an embedding's
+        vocabulary, a Linear's outputs), and u's rows [m0, m1) of it."""
+        owner = groups[u.group] if u.group else u
+        n = owner.in_features if owner.kind == EMBEDDING else owner.out_features
+        return (owner, n, *u.rows) if u.group else (owner, n, 0, n)
+
+    def _columns(self, u: Unit, groups: dict[str, Unit], rank: int) -> tuple[int, int]:
+        """Rank `rank`'s [lo, hi) of u's output columns: its even share of the owner's rows, within u's."""
+        _, n, m0, m1 = self._owner(u, groups)
+        a, b = rows_of(n, self.world, rank)
         lo, hi = max(a, m0), min(b, m1)
-        lo, hi = (lo, hi) if lo < hi else (a, a)  # (no rows of this unit here)
-        w = w[:, lo - a : hi - a] if owner.kind == CONV1D else w[lo - a : hi - a]
-        bias = None
-        if u.bias is not None:
-            bias = u.bias[lo - m0 : hi - m0].contiguous().to(self.device)
-        return w, bias, lo - m0, hi - m0
+        return (lo - m0, hi - m0) if lo < hi else (0, 0)
+
+    def _part(self, u: Unit, groups: dict[str, Unit], mine: dict[int, torch.Tensor]):
+        """u's part on this rank: (weight slice, bias slice), views of the owner's slice held once."""
+        owner, n, m0, _ = self._owner(u, groups)
+        full = owner.weight
+        a, b = rows_of(n, self.world, self.rank)
+        if id(full) not in mine:
+            mine[id(full)] = (full[:, a:b] if owner.kind == CONV1D else full[a:b]).contiguous().to(self.device)
+        c0, c1 = self.bounds[u.id][self.rank]
+        lo, hi = (c0 + m0 - a, c1 + m0 - a) if c1 > c0 else (0, 0)  # (within this rank's slice)
+        w = mine[id(full)]
+        w = w[:, lo:hi] if owner.kind == CONV1D else w[lo:hi]
+        bias = None if u.bias is None else u.bias[c0:c1].contiguous().to(self.device)
+        return w, bias
 
     def parameter_count(self) -> int:
         """The parameters of this rank's slices (each held once)."""
         seen, n = set(), 0
-        for w, b, _, _ in self.parts.values():
+        for w, b in self.parts.values():
             for t in (w, b):
                 if t is not None and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
@@ -134,16 +148,16 @@ class TensorParallel:
 
     def _collect(self, unit: Unit, op: int, x: torch.Tensor) -> torch.Tensor | None:
         """This rank's part, gathered at rank 0 (the result there; None elsewhere)."""
-        w, b, c0, c1 = self.parts[unit.id]
-        bounds = [self._bounds(unit, r) for r in range(self.world)]
+        w, b = self.parts[unit.id]
+        bounds = self.bounds[unit.id]
+        c0, c1 = bounds[self.rank]
         if unit.kind == EMBEDDING:
-            a, n = self._rows(unit)
-            local = x - a
-            part = F.embedding(local.clamp(0, max(n - 1, 0)), w) if n else x.new_zeros(x.shape[0], unit.out_features, dtype=self._dtype())
+            local = x - c0  # (its rows are ids [c0, c1))
+            part = F.embedding(local.clamp(0, c1 - c0 - 1), w) if c1 > c0 else x.new_zeros(x.shape[0], w.shape[1], dtype=w.dtype)
             parts = self._gather(part)
             if parts is None:
                 return None
-            owner = torch.searchsorted(torch.tensor([r[0] for r in self._all_rows(unit)][1:], device=x.device), x, right=True)
+            owner = torch.searchsorted(self.starts[unit.id], x, right=True)
             return torch.stack(parts)[owner, torch.arange(x.shape[0], device=x.device)]
         if op == pb.BACKWARD:
             g = x[:, c0:c1]  # [tokens, my columns] @ my rows [cols, in] -> [tokens, in]
@@ -172,24 +186,3 @@ class TensorParallel:
         parts = [torch.empty_like(part) for _ in range(self.world)] if self.rank == 0 else None
         self.dist.gather(part, parts, dst=0)
         return parts
-
-    def _dtype(self) -> torch.dtype:
-        return next(p[0].dtype for p in self.parts.values())
-
-    def _bounds(self, unit: Unit, rank: int) -> tuple[int, int]:
-        """Rank `rank`'s [a, b) of unit's output columns (as _part computes for itself)."""
-        owner = unit
-        while owner.group:
-            owner = next(g for g in self.units if g.id == owner.group)
-        n = owner.in_features if owner.kind == EMBEDDING else owner.out_features
-        a, b = rows_of(n, self.world, rank)
-        m0, m1 = unit.rows if unit.group else (0, n)
-        lo, hi = max(a, m0), min(b, m1)
-        return (lo - m0, hi - m0) if lo < hi else (0, 0)
-
-    def _rows(self, unit: Unit) -> tuple[int, int]:
-        a, b = rows_of(unit.in_features, self.world, self.rank)
-        return a, b - a
-
-    def _all_rows(self, unit: Unit) -> list[tuple[int, int]]:
-        return [rows_of(unit.in_features, self.world, r) for r in range(self.world)]
