@@ -173,37 +173,30 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     on_bound, lost = None, []
-    if tensor:
-        def on_rank_lost(why: str):  # (rank 0 may be blocked in a collective with the lost rank)
-            if server.stopping.is_set():
-                return
-            log.error("%s: stopping (every tenant gets ExecutorUnavailableError)", why)
-            shards.stop_ranks(children, timeout_s=5)
-            os._exit(1)
+    if shard is not None:
+        started = threading.Event()  # (set once every rank is bound; never under tensor, whose calls are collectives)
+        if tensor:
+            log.info("rank 0 of %d leads every call (tensor placement)", shard.world)
+        else:
+            advertised = [u for u in listens if u.startswith("local://")]
+            advertised += [shards.advertised_grpc(n, g.port) for n, g in zip(remote, grpc_servers)]
+            for rank_urls in shards.exchange_urls(" ".join(advertised)):
+                catalog.shards.add(urls=rank_urls.split())
+            log.info("rank %d serves %d units (%.1f M parameters) on %s", shard.rank, len(table),
+                     table.parameter_count() / 1e6, device)
 
-        shards.watch(shard, children, on_rank_lost)
-        log.info("rank 0 of %d leads every call (tensor placement)", shard.world)
-    elif shard is not None:
-        advertised = [u for u in listens if u.startswith("local://")]
-        advertised += [shards.advertised_grpc(n, g.port) for (s, n), g in zip([p for p in parsed if p[0] == "grpc"], grpc_servers)]
-        for rank_urls in shards.exchange_urls(" ".join(advertised)):
-            catalog.shards.add(urls=rank_urls.split())
-        log.info("rank %d serves %d units (%.1f M parameters) on %s", shard.rank, len(table),
-                 table.parameter_count() / 1e6, device)
-        started = threading.Event()
+            def all_bound():  # no rank answers before every rank can
+                shards.barrier()
+                started.set()
 
-        def all_bound():  # no rank answers before every rank can
-            shards.barrier()
-            started.set()
-
-        on_bound = all_bound
+            on_bound = all_bound
 
         def on_rank_lost(why: str):
             if server.stopping.is_set():  # (we stop the ranks we started)
                 return
             lost.append(why)
             log.error("%s: stopping this rank too (every tenant gets ExecutorUnavailableError)", why)
-            if not started.is_set():  # (blocked in a collective with the lost rank)
+            if not started.is_set():  # (maybe blocked in a collective with the lost rank)
                 shards.stop_ranks(children, timeout_s=5)
                 os._exit(1)
             server.stop()
