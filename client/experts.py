@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from symbiont.client.errors import ModelMismatchError
-from symbiont.client.shim import _LINEAR_FUNCS, RemoteWeight, UnitRef, call_unit
+from symbiont.client.shim import _LINEAR_FUNCS, RemoteWeight, UnitRef, call_unit, linear_args
 from symbiont.proto import executor_pb2 as pb
 
 
@@ -68,15 +68,13 @@ class _ExpertUses(torch.overrides.TorchFunctionMode):
                 w.deltas = [d(e) for d in getattr(args[0], "deltas", ())]  # (each [out, in])
                 return w
         if func in _LINEAR_FUNCS:
-            x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            x, w, b = linear_args(args, kwargs)
             ref = getattr(w, "expert", None)
             if ref is not None:
                 if b is not None:
                     raise ModelMismatchError(f"{ref.unit_id}: the experts' forward adds a bias of its own, which symbiont "
                                              "cannot stand in for")
-                if x.dtype != ref._dtype:
-                    raise TypeError(f"{ref.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {ref._dtype}")
+                ref._check(x)
                 y = call_unit(x, ref._shim_id, pb.FORWARD)
                 for delta in w.deltas:  # x (W + delta)^T as x W^T + x delta^T: equal to rounding
                     y = y + torch.nn.functional.linear(x, delta)

@@ -206,6 +206,15 @@ class UnitRef:
     def _out_dtype(self) -> torch.dtype:
         return self._dtype
 
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dtype != self._dtype:
+            raise TypeError(
+                f"{self.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {self._dtype} "
+                "(the unsplit module would fail the same way); cast the input or load the model in the served dtype"
+            )
+        if x.shape[-1] != self._d_in:
+            raise ValueError(f"{self.unit_id}: input has last dimension {x.shape[-1]}, the unit takes {self._d_in}")
+
     def _out_shape(self, shape, op) -> tuple[int, ...]:
         if self._kind == "embedding":
             return tuple(shape) + (self._d_out,)
@@ -240,15 +249,6 @@ class VirtLayer(UnitRef, nn.Module):
         g = self._group
         group = None if g is None else {"unit": g.unit_id, "columns": g.columns(self._member), "fused": g.enabled}
         return {"unit": self.unit_id, "kind": self._kind, "in": self._d_in, "out": self._d_out, "url": self.transport.url, "group": group}
-
-    def _check(self, x: torch.Tensor) -> None:
-        if x.dtype != self._dtype:
-            raise TypeError(
-                f"{self.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {self._dtype} "
-                "(the unsplit module would fail the same way); cast the input or load the model in the served dtype"
-            )
-        if x.shape[-1] != self._d_in:
-            raise ValueError(f"{self.unit_id}: input has last dimension {x.shape[-1]}, the unit takes {self._d_in}")
 
     def extra_repr(self) -> str:
         return f"unit={self.unit_id!r}, in={self._d_in}, out={self._d_out}, remote={self.transport.url!r}"
@@ -307,8 +307,7 @@ class _WeightUses(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         s = self.shim
         if func in _LINEAR_FUNCS and s._kind in ("linear", "conv1d"):
-            x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            x, w, b = linear_args(args, kwargs)
             if self._mine(w):
                 if b is not None and not self._mine(b):
                     raise ModelMismatchError(f"{s.unit_id}: its forward adds a bias of its own to the served weight's product, "
@@ -349,6 +348,11 @@ def _rows(weight: RemoteWeight, index, unit: str) -> torch.Tensor:
 
 
 _LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)
+
+
+def linear_args(args, kwargs) -> tuple:
+    """(input, weight, bias) of an F.linear call as a torch function mode sees it."""
+    return args[0], (args[1] if len(args) > 1 else kwargs.get("weight")), (args[2] if len(args) > 2 else kwargs.get("bias"))
 _TRANSPOSES = (torch.Tensor.T.__get__, torch.Tensor.t, torch.t, torch.Tensor.mT.__get__)
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 

@@ -91,6 +91,12 @@ def check_config(model_config, served_json: str) -> None:
             )
 
 
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Puts `new` where root's submodule `name` is."""
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
 def _confirming(transports):
     """A forward hook that confirms the transports' calls (their replies) as the forward ends."""
 
@@ -195,16 +201,13 @@ def virtualize(
     shims = {}
     for name, module, mixin, unit in plan:
         shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport_for(unit), served_dtype, device)
-        parent_name, _, attr = name.rpartition(".")
-        parent = root.get_submodule(parent_name) if parent_name else root
-        setattr(parent, attr, shim)
+        _replace(root, name, shim)
     expert_refs = []
     for name, (module, units) in served_experts.items():
         first = next(iter(units.values()))[0]
         shim = make_experts_shim(module, units, conn.transport_for(first), served_dtype, device)
         expert_refs += [r for refs in shim._experts.values() for r in refs]
-        parent_name, _, attr = name.rpartition(".")
-        setattr(root.get_submodule(parent_name) if parent_name else root, attr, shim)
+        _replace(root, name, shim)
     if mask is not None:
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
         mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
