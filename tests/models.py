@@ -49,6 +49,19 @@ def assert_grads_close(ref: dict, got: dict, rtol: float = 1e-5) -> None:
         assert err <= rtol * scale, f"{name}: |diff| {err:.3e} > {rtol} x |grad| {scale:.3e}"
 
 
+def assert_sgd_steps_match(ref, virt, x: torch.Tensor, steps: int = 2) -> None:
+    """SGD steps of the unsplit `ref` and the virtualized `virt` on x, side by side: after each
+    backward their adapter gradients agree (from the second step on, after an update)."""
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
+    for _ in range(steps):
+        for m, opt in zip((ref, virt), opts):
+            opt.zero_grad()
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
+        for opt in opts:
+            opt.step()
+
+
 def enable_checkpointing(model, reentrant: bool) -> None:
     """Training mode with gradient checkpointing (the reentrant kind needs inputs that require grad)."""
     model.train()

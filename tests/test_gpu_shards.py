@@ -2,11 +2,6 @@
 torch.distributed, a tenant on either GPU or the CPU at parity, a rank killed mid-call."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 import torch
 
@@ -15,7 +10,7 @@ from symbiont.base_executor.models import build_builtin
 from symbiont.client.errors import ExecutorUnavailableError, NotAttachedError
 from tests.conftest import Executor, running_executor
 from tests.models import assert_grads_close, ids, lora_grads, lora_model
-from tests.test_shards import _children
+from tests.test_shards import _children, _kill_rank_mid_forward
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,25 +60,9 @@ def test_a_gpu_rank_killed_mid_call_gives_a_typed_error_not_a_hang():
         x = ids(1, 8).cuda()
         with torch.no_grad():
             virt(x)
-        os.kill(rank1, signal.SIGSTOP)
-        failure = []
-
-        def forward():
-            try:
-                with torch.no_grad():
-                    virt(x)  # (its calls to rank 1 return early; the forward's end waits for their replies)
-                torch.cuda.synchronize()
-            except Exception as e:
-                failure.append(e)
-
-        t = threading.Thread(target=forward)
-        t.start()
-        time.sleep(1.0)
-        assert t.is_alive(), "the forward did not wait for the stopped rank"
-        os.kill(rank1, signal.SIGKILL)
-        t.join(60)
-        assert not t.is_alive(), "the tenant hangs after its rank died"
-        assert failure and isinstance(failure[0], (ExecutorUnavailableError, NotAttachedError)), failure
+        # (its calls to rank 1 return early; the forward's end waits for their replies)
+        failure = _kill_rank_mid_forward(rank1, virt, x, then=torch.cuda.synchronize)
+        assert isinstance(failure, (ExecutorUnavailableError, NotAttachedError)), failure
         assert ex.proc.wait(60) == 1
         with pytest.raises(ExecutorUnavailableError):
             with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 from symbiont.base_executor.models import build_builtin
 from symbiont import VirtLayer, connect, virtualize
-from tests.models import ARCHS, assert_grads_close, ids, lora_grads, lora_model
+from tests.models import ARCHS, assert_grads_close, assert_sgd_steps_match, ids, lora_grads, lora_model
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -44,15 +44,7 @@ def test_lora_gradients_match(executor_for, name, order):
         virt = virtualize(lora_model(name), ex.url)
     else:
         virt = lora_model(name, base=virtualize(build_builtin(name), ex.url))
-    x = ids(2, 10, seed=5)
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
-    for step in range(2):  # the second step checks gradients after an update
-        for m, opt in zip((ref, virt), opts):
-            opt.zero_grad()
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref), lora_grads(virt))
-        for opt in opts:
-            opt.step()
+    assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))  # (the second step checks gradients after an update)
 
 
 def test_skeleton_model_matches(executor_for):

@@ -17,7 +17,7 @@ from symbiont.base_executor import shards
 from symbiont.base_executor.models import build_builtin
 from symbiont.client.errors import ExecutorUnavailableError
 from tests.conftest import Executor, running_executor
-from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.models import assert_sgd_steps_match, ids, lora_model
 from tests.test_grpc import free_port
 
 
@@ -27,6 +27,30 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{tid}/children") as f:
             found += [int(p) for p in f.read().split()]
     return found
+
+
+def _kill_rank_mid_forward(rank: int, virt, x, then=lambda: None) -> Exception | None:
+    """Stops `rank`'s process so virt(x) (then `then()`) waits for it on a thread, checks that it
+    does, kills the rank and checks the thread ends: the exception the forward raised, if any."""
+    os.kill(rank, signal.SIGSTOP)
+    failure = []
+
+    def forward():
+        try:
+            with torch.no_grad():
+                virt(x)
+            then()
+        except Exception as e:
+            failure.append(e)
+
+    t = threading.Thread(target=forward)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "the forward did not wait for the stopped rank"
+    os.kill(rank, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive(), "the tenant hangs after its rank died"
+    return failure[0] if failure else None
 
 
 def test_layers_are_contiguous_and_balanced():
@@ -88,15 +112,7 @@ def test_sharded_executor_matches_the_unsplit_model(world, placement):
         conn.close()
 
         ref, virt = lora_model(name), virtualize(lora_model(name), ex.url)
-        x = ids(2, 10, seed=5)
-        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, virt)]
-        for _ in range(2):
-            for m, opt in zip((ref, virt), opts):
-                opt.zero_grad()
-                m(input_ids=x, labels=x).loss.backward()
-            assert_grads_close(lora_grads(ref), lora_grads(virt))
-            for opt in opts:
-                opt.step()
+        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
         for m in virt.modules():
             if isinstance(m, VirtLayer):
                 m.transport.close()
@@ -127,24 +143,8 @@ def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang(plac
         x = ids(1, 8)
         with torch.no_grad():
             virt(x)
-        os.kill(rank1, signal.SIGSTOP)  # its calls (its part of each, under tensor) wait: the next forward is in flight
-        failure = []
-
-        def forward():
-            try:
-                with torch.no_grad():
-                    virt(x)
-            except Exception as e:
-                failure.append(e)
-
-        t = threading.Thread(target=forward)
-        t.start()
-        time.sleep(1.0)
-        assert t.is_alive(), "the forward did not wait for the stopped rank"
-        os.kill(rank1, signal.SIGKILL)
-        t.join(60)
-        assert not t.is_alive(), "the tenant hangs after its rank died"
-        assert failure and isinstance(failure[0], ExecutorUnavailableError), failure
+        failure = _kill_rank_mid_forward(rank1, virt, x)  # (its part of each call, under tensor)
+        assert isinstance(failure, ExecutorUnavailableError), failure
         assert ex.proc.wait(60) == 1  # rank 0 stops too, and says a rank was lost
         assert "rank 1" in ex.log() and "exited with code" in ex.log(), ex.log()
         with pytest.raises(ExecutorUnavailableError):
