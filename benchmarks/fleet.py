@@ -35,12 +35,16 @@ def executor_variants(a) -> list[tuple[str, list[str]]]:
     return [(p, ["--policy", p, *a.serve_args.split()]) for p in a.policies.split(",")]
 
 
-def start_executor(model: str, device: str, *flags: str, log_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def start_executor(model: str, device: str, *flags: str, log_dir: pathlib.Path,
+                   profile_out: pathlib.Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A `base-executor serve` on a fresh local:// name; with `profile_out`, under
+    benchmarks/profiled_serve.py (its GPU work recorded between two signals: run_profiled)."""
     from symbiont import wait_for_executor
 
     url = f"local://fleet-{uuid.uuid4().hex[:8]}"
     log = open(log_dir / f"executor_{url.split('//')[1]}.log", "wb")
-    cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", model, "--listen", url,
+    launch = [str(REPO / "benchmarks" / "profiled_serve.py"), str(profile_out)] if profile_out else ["-m", "symbiont.base_executor.cli"]
+    cmd = [sys.executable, *launch, "serve", "--model", model, "--listen", url,
            "--device", device, "--dtype", "bfloat16", *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     wait_for_executor(url, 600, proc)
@@ -93,7 +97,7 @@ class GpuMemory:
 
 def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
     """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
-    to all with one start time (then calls `on_go()`: a profiler of the steady state), and returns
+    to all with one start time (then calls `on_go(start)`: a profiler of the steady state), and returns
     (their results, GPU 0's used memory before they started, its peak while they worked); with
     per_gpu, those two for every GPU (lists)."""
     base = GpuMemory()
@@ -115,7 +119,7 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
                 p.stdin.write(f"go {start!r}\n")
                 p.stdin.flush()
             if on_go is not None:
-                on_go()
+                on_go(start)
             results = []
             for p in procs:
                 for line in p.stdout:
@@ -130,6 +134,45 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def run_profiled(workers: list[list[str]], seconds: float, names: list[str], tokens_per_unit: int, out: pathlib.Path,
+                 stem: str, title: str, executor: tuple[subprocess.Popen, pathlib.Path] | None = None,
+                 window: tuple[float, float] = (0.4, 0.6)) -> dict:
+    """Runs a fleet once more with every process's GPU work and CPU time recorded over the middle
+    of its window (benchmarks/fleet_timeline.py): each worker's, and the executor's when given as
+    (its process, the profile file it was started with). Prints the summary, writes it (JSON), the
+    raw spans (JSON, gzip) and a timeline slice (PNG) as out/STEM_*, and returns the summary."""
+    import gzip
+
+    import fleet_timeline
+
+    paths = [out / f"{stem}_{i}.profile.json" for i in range(len(workers))]
+    for path in paths:
+        path.unlink(missing_ok=True)
+    marked = [[*w, "--profile", str(path), "--profile-window", f"{window[0]},{window[1]}"] for w, path in zip(workers, paths)]
+    spans = {}
+
+    def on_go(start):
+        if executor is not None:
+            executor[1].unlink(missing_ok=True)
+            spans["executor"] = fleet_timeline.ExecutorWindow(executor[0].pid, executor[1], start + window[0] * seconds,
+                                                             start + window[1] * seconds)
+
+    results, _, _ = run_fleet(marked, seconds, on_go=on_go)
+    parts = {name: json.loads(path.read_text()) for name, path in zip(names, paths)}
+    if executor is not None:
+        parts["executor"] = spans["executor"].result()
+    with gzip.open(out / f"{stem}_spans.json.gz", "wt") as f:
+        json.dump(parts, f)
+    summary = fleet_timeline.summarise(parts, tokens_per_unit)
+    print(fleet_timeline.report(title, summary), flush=True)
+    (out / f"{stem}_timeline.json").write_text(json.dumps(summary, indent=1))
+    fleet_timeline.plot(parts, summary, out / f"{stem}_timeline.png", title)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    summary["results"] = results
+    return summary
 
 
 def pct(values: list[float], q: float) -> float:

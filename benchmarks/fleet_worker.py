@@ -31,11 +31,14 @@ class StepClock:
     """A logits processor that notes when each generated token's step ends (generate syncs the
     host on every token for its stopping check, so the host time is the GPU's too)."""
 
-    def __init__(self):
+    def __init__(self, tick=None):
         self.times: list[float] = []
+        self.tick = tick
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
+        if self.tick is not None:
+            self.tick(input_ids.shape[0])
         return scores
 
 
@@ -67,7 +70,7 @@ def lora(model, rank: int, targets: list[str], name: str = "default", into=None)
     return get_peft_model(model, config, adapter_name=name)
 
 
-def finetune(a, model, deadline_of) -> dict:
+def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     vocab = model.config.vocab_size
@@ -91,12 +94,13 @@ def finetune(a, model, deadline_of) -> dict:
         if "cuda" in a.device:
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
+        tick(1)
         if ends[-1] >= deadline:
             break
     return {"start": start, "ends": ends, "tokens_per_step": a.batch * a.seq}
 
 
-def infer(a, model, deadline_of, rows: int = 1, adapter_names=None) -> dict:
+def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -> dict:
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (rows, a.prompt), generator=g).to(a.device)
@@ -104,8 +108,8 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None) -> dict:
     if adapter_names is not None:
         kw["adapter_names"] = adapter_names
 
-    def one():
-        clock = StepClock()
+    def one(tick=None):
+        clock = StepClock(tick)
         with torch.no_grad():
             model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), logits_processor=[clock], **kw)
         return clock.times
@@ -116,7 +120,7 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None) -> dict:
     runs = []
     while True:
         t0 = time.perf_counter()
-        times = one()
+        times = one(tick)
         runs.append([t0, *times])
         if times[-1] >= deadline:
             break
@@ -140,6 +144,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
+    p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
     a = p.parse_args()
 
     model, conn = build(a)
@@ -165,14 +171,26 @@ def main() -> int:
         start = float(line[1])  # the parent's perf_counter is not ours: it sends the wall clock
         now_wall, now = time.time(), time.perf_counter()
         start_local = now - (now_wall - start)
+        if a.profile:
+            from fleet_timeline import WindowProfiler
+
+            f0, f1 = (float(f) for f in a.profile_window.split(","))
+            sync = (lambda: torch.cuda.synchronize(a.device)) if "cuda" in a.device else None
+            profiler.append(WindowProfiler(a.profile, start + f0 * a.seconds, start + f1 * a.seconds, sync))
         return start_local, start_local + a.seconds
 
+    profiler = []
+
+    def tick(units):
+        if profiler:
+            profiler[0].tick(units)
+
     if a.role == "finetune":
-        out = finetune(a, model, deadline_of)
+        out = finetune(a, model, deadline_of, tick)
     elif a.role == "infer":
-        out = infer(a, model, deadline_of)
+        out = infer(a, model, deadline_of, tick=tick)
     else:
-        out = infer(a, model, deadline_of, rows=a.adapters, adapter_names=names)
+        out = infer(a, model, deadline_of, rows=a.adapters, adapter_names=names, tick=tick)
     if "cuda" in a.device:
         out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)
         out["max_reserved"] = torch.cuda.max_memory_reserved(a.device)

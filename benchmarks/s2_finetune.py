@@ -36,12 +36,22 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--py-spy", type=int, default=0, help="at this K, sample the executor with py-spy (pip install py-spy)")
+    p.add_argument("--gpu-profile", default="", help="at these K (comma-separated), one more run of each side with every "
+                   "process's GPU work and CPU time recorded (benchmarks/fleet_timeline.py)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(k) for k in a.ks.split(",")]
+    profile_ks = {int(k) for k in a.gpu_profile.split(",") if k}
+    timelines = {}
+
+    def profiled(workers, who, k, executor=None):
+        stem = f"s2_{a.model}_{a.tag}_k{k}_{who.replace(' ', '-')}"
+        names = [f"{'tenant' if executor else 'process'} {i}" for i in range(k)]
+        s = fleet.run_profiled(workers, a.seconds, names, a.batch * a.seq, out, stem, f"S2 {a.model} K = {k}, {who}", executor)
+        timelines[f"{who} k={k}"] = {key: v for key, v in s.items() if key != "results"}
     common = ["--role", "finetune", "--model", a.model, "--device", a.device, "--batch", str(a.batch), "--seq", str(a.seq),
               "--warmup", str(a.warmup)]
     rows = []
@@ -51,14 +61,17 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--index", str(i), *common] for i in range(k)], a.seconds)
             rows.append({"k": k, "who": "processes", **fleet.finetune_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
+            if k in profile_ks:
+                profiled([["--mode", "plain", "--index", str(i), *common] for i in range(k)], "processes", k)
     for policy, flags in fleet.executor_variants(a):
-        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
+        ex_profile = out / f"s2_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ks else None
+        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
         try:
             for k in ks:
                 before = fleet.executor_stats(url)
                 spy_path = out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt"
                 spies = []
-                on_go = (lambda: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
+                on_go = (lambda _: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
                 workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common] for i in range(k)]
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
@@ -71,6 +84,8 @@ def main() -> int:
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "gpu_used_total": peak, "batches": fleet.batch_share(before, after)})
                 print(json.dumps(rows[-1]), flush=True)
+                if k in profile_ks:
+                    profiled(workers, f"symbiont {policy}", k, (proc, ex_profile))
         finally:
             fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
@@ -82,7 +97,7 @@ def main() -> int:
         print(f"{r['k']:>3} {r['who']:<24} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {r['step_p99_ms']:>7.1f} "
               f"{r['gpu_used'] / 1e9:>7.1f} {share:>7} {'' if cpb is None else f'{cpb:.2f}':>11}")
     path = out / f"s2_{a.model}_{a.tag}.json"
-    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    path.write_text(json.dumps({"args": vars(a), "rows": rows, "timelines": timelines}, indent=1))
     plot(rows, out / f"s2_{a.model}_{a.tag}.png", f"S2 fine-tuning, {a.model}")
     print(f"wrote {path}")
     return 0

@@ -36,12 +36,22 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor with py-spy (pip install py-spy)")
+    p.add_argument("--gpu-profile", default="", help="at these N (comma-separated), one more run of each side with every "
+                   "process's GPU work and CPU time recorded (benchmarks/fleet_timeline.py)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
+    profile_ns = {int(n) for n in a.gpu_profile.split(",") if n}
+    timelines = {}
+
+    def profiled(workers, who, n, executor=None):
+        stem = f"s3_{a.model}_{a.tag}_n{n}_{who.replace(' ', '-')}"
+        names = [f"{'tenant' if executor else 'process'} {i}" for i in range(n)]
+        s = fleet.run_profiled(workers, a.seconds, names, 1, out, stem, f"S3 {a.model} N = {n}, {who}", executor)
+        timelines[f"{who} n={n}"] = {key: v for key, v in s.items() if key != "results"}
     mixed = [] if a.mixed == "none" else [int(n) for n in a.mixed.split(",")] if a.mixed else ns
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
               "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj"]
@@ -52,19 +62,22 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)], a.seconds)
             rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
+            if n in profile_ns:
+                profiled([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)], "processes", n)
         if n in mixed:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
             rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
     for policy, flags in fleet.executor_variants(a):
-        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
+        ex_profile = out / f"s3_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ns else None
+        proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
         try:
             for n in ns:
                 before = fleet.executor_stats(url)
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
                 spy_path = out / f"s3_{a.model}_n{n}_{policy}_executor_pyspy.txt"
                 spies = []
-                on_go = (lambda: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == n else None
+                on_go = (lambda _: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == n else None
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
                 for spy in spies:
@@ -75,6 +88,8 @@ def main() -> int:
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "batches": fleet.batch_share(before, after)})
                 print(json.dumps(rows[-1]), flush=True)
+                if n in profile_ns:
+                    profiled(workers, f"symbiont {policy}", n, (proc, ex_profile))
         finally:
             fleet.stop(proc)
     print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
@@ -84,7 +99,7 @@ def main() -> int:
         print(f"{r['k']:>3} {r['who']:<28} {r['tokens_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
               f"{r['gpu_used'] / 1e9:>7.1f} {'' if cpb is None else f'{cpb:.2f}':>11}")
     path = out / f"s3_{a.model}_{a.tag}.json"
-    path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    path.write_text(json.dumps({"args": vars(a), "rows": rows, "timelines": timelines}, indent=1))
     plot(rows, out / f"s3_{a.model}_{a.tag}.png", f"S3 inference, {a.model}", y2="itl_p99_ms",
          labels=("aggregate tokens/s", "inter-token latency p99, ms"))
     print(f"wrote {path}")
