@@ -13,6 +13,7 @@ import json
 import pathlib
 import signal
 import sys
+import threading
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -71,6 +72,8 @@ def gap_analysis(parts: dict[str, list]) -> dict:
 
 
 def main() -> int:
+    signals = {signal.SIGUSR1, signal.SIGUSR2}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # (first: every thread started after this blocks them too)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -79,13 +82,13 @@ def main() -> int:
     out = pathlib.Path(sys.argv[1])
     state = {}
 
-    def start(*_):
-        # (on a machine without CUDA, a smoke test: the CPU's ops are recorded, none counted)
+    def start():
+        # (on a machine without CUDA, a smoke test: the CPU's ops are recorded and counted)
         state["prof"] = prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
         prof.start()
         out.with_suffix(".started").touch()
 
-    def stop(*_):
+    def stop():
         prof = state.pop("prof")
         prof.stop()
         tmp = out.with_suffix(".tmp")
@@ -93,8 +96,16 @@ def main() -> int:
                                            cpu=not torch.cuda.is_available())))
         tmp.rename(out)  # (whole, for the benchmark waiting for it)
 
-    signal.signal(signal.SIGUSR1, start)
-    signal.signal(signal.SIGUSR2, stop)
+    def take_signals():
+        # A thread of its own takes the two signals as they come. Handlers would run in the main
+        # thread only when it next runs Python: the data loop may sleep in a native wait for
+        # seconds while the native lanes serve every call, and then both signals were handled at
+        # once, the second inside the first.
+        while True:
+            sig = signal.sigwait(signals)
+            start() if sig == signal.SIGUSR1 else stop()
+
+    threading.Thread(target=take_signals, daemon=True).start()
     return cli.main(sys.argv[2:])
 
 
