@@ -97,7 +97,7 @@ class GpuMemory:
 
 def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
     """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
-    to all with one start time (then calls `on_go(start)`: a profiler of the steady state), and returns
+    to all with one start time (then calls `on_go(start, pids)`: a profiler of the steady state), and returns
     (their results, GPU 0's used memory before they started, its peak while they worked); with
     per_gpu, those two for every GPU (lists)."""
     base = GpuMemory()
@@ -119,7 +119,7 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
                 p.stdin.write(f"go {start!r}\n")
                 p.stdin.flush()
             if on_go is not None:
-                on_go(start)
+                on_go(start, [p.pid for p in procs])
             results = []
             for p in procs:
                 for line in p.stdout:
@@ -153,7 +153,7 @@ def run_profiled(workers: list[list[str]], seconds: float, names: list[str], tok
     marked = [[*w, "--profile", str(path), "--profile-window", f"{window[0]},{window[1]}"] for w, path in zip(workers, paths)]
     spans = {}
 
-    def on_go(start):
+    def on_go(start, _pids):
         if executor is not None:
             executor[1].unlink(missing_ok=True)
             spans["executor"] = fleet_timeline.ExecutorWindow(executor[0].pid, executor[1], start + window[0] * seconds,

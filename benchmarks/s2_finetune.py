@@ -71,7 +71,7 @@ def main() -> int:
                 before = fleet.executor_stats(url)
                 spy_path = out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt"
                 spies = []
-                on_go = (lambda _: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
+                on_go = (lambda _, __: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
                 workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common] for i in range(k)]
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)

@@ -35,7 +35,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor with py-spy (pip install py-spy)")
+    p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor, tenant 0 and process 0 with py-spy (pip install py-spy)")
     p.add_argument("--gpu-profile", default="", help="at these N (comma-separated), one more run of each side with every "
                    "process's GPU work and CPU time recorded (benchmarks/fleet_timeline.py)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
@@ -59,7 +59,15 @@ def main() -> int:
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
     for n in ns:
         if n <= a.max_processes:
-            res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)], a.seconds)
+            spy_path, spies = out / f"s3_{a.model}_{a.tag}_n{n}_process0_pyspy.txt", []
+            on_go = (lambda _, pids: spies.append(fleet.py_spy(pids[0], a.seconds * 0.8, spy_path))) if a.py_spy == n else None
+            res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)],
+                                              a.seconds, on_go=on_go)
+            for spy in spies:
+                spy.wait()
+                from s6_profile import top_frames
+
+                print("process 0:\n" + top_frames(spy_path, fleet.REPO), flush=True)
             rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
             if n in profile_ns:
@@ -75,15 +83,22 @@ def main() -> int:
             for n in ns:
                 before = fleet.executor_stats(url)
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
-                spy_path = out / f"s3_{a.model}_n{n}_{policy}_executor_pyspy.txt"
+                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}_{who}_pyspy.txt" for who in ("executor", "tenant0")]
                 spies = []
-                on_go = (lambda _: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == n else None
-                res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
+
+                def on_go(_, pids):
+                    for pid, path in zip((proc.pid, pids[0]), spy_paths):
+                        spies.append(fleet.py_spy(pid, a.seconds * 0.8, path))
+
+                res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go if a.py_spy == n else None)
                 after = fleet.executor_stats(url)
                 for spy in spies:
                     spy.wait()
+                if spies:
                     from s6_profile import top_frames
-                    print(top_frames(spy_path, fleet.REPO), flush=True)
+
+                    print("executor, its data loop:\n" + top_frames(spy_paths[0], fleet.REPO, within="_data_loop"), flush=True)
+                    print("tenant 0:\n" + top_frames(spy_paths[1], fleet.REPO), flush=True)
                 rows.append({"k": n, "who": f"symbiont {policy}", **fleet.infer_figures(res),
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "batches": fleet.batch_share(before, after)})

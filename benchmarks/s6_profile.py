@@ -129,22 +129,25 @@ def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib
     return median, top_frames(out / "tenant.txt"), top_frames(out / "executor.txt")
 
 
-def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25) -> str:
-    """Share of samples per frame from py-spy's collapsed stacks: own (leaf) and inclusive."""
+def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, within: str = "") -> str:
+    """Share of samples per frame from py-spy's collapsed stacks: own (leaf) and inclusive; with
+    `within`, only the stacks holding a frame of that name (one thread's loop)."""
     if not path.exists():
         return "(no samples: is py-spy installed and allowed to ptrace?)"
     own, incl, total = collections.Counter(), collections.Counter(), 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = [f.strip() for f in stack.split(";") if f.strip()]
-        if not frames:
+        if not frames or (within and not any(within in f for f in frames)):
             continue
         c = int(count)
         total += c
         own[frames[-1]] += c
         for f in set(frames):
             incl[f] += c
-    lines = [f"{total} samples; own time:"]
+    if not total:
+        return f"(no samples{' in ' + within if within else ''})"
+    lines = [f"{total} samples{' in ' + within if within else ''}; own time:"]
     lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in own.most_common(n)]
     lines += ["inclusive, symbiont frames:"]
     lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common() if str(repo) in f][:n]
