@@ -139,6 +139,29 @@ def _union_ms(spans) -> float:
     return busy / 1e3
 
 
+GAP_BANDS_US = (5, 20, 50, 100, 300, 1000)
+
+
+def gap_bands(spans) -> dict:
+    """The idle time between one process's consecutive kernels, by length: {"<5", "5-20", ...,
+    ">=1000" µs: [count, ms]}. Short gaps are the GPU's own pace or the host's launch rate; at
+    a same-GPU tenant, its calls' round trips show as a band of their own."""
+    edges = (0, *GAP_BANDS_US, float("inf"))
+    names = [f"{lo:g}-{hi:g}" if hi != float("inf") else f">={lo:g}" for lo, hi in zip(edges, edges[1:])]
+    out = {n: [0, 0.0] for n in names}
+    ordered = sorted(spans)
+    for (_, end, _), (start, _, _) in zip(ordered, ordered[1:]):
+        gap = start - end
+        if gap <= 0:
+            continue
+        for n, lo, hi in zip(names, edges, edges[1:]):
+            if lo <= gap < hi:
+                out[n][0] += 1
+                out[n][1] += gap / 1e3
+                break
+    return out
+
+
 def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
     """`parts`: who -> a profile (WindowProfiler's or ExecutorWindow's); workers' names start with
     "tenant" or "process", the executor's is "executor". Everything is clipped to the span every
@@ -165,6 +188,7 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
             "by_kind_ms_per_1k_tokens": {k: 1e3 * ms / tokens for k, ms in by_kind.most_common()} if tokens else {},
             "cpu_share": v["cpu_s"] / v["wall_s"] if v.get("wall_s") else float("nan"),
             "tokens_per_s": v["units"] * tokens_per_unit / v["wall_s"] if v.get("wall_s") and v["units"] else 0.0,
+            "gaps_us": gap_bands(spans),
         }
     busy = _union_ms(every)
     total_kernel = sum(r["kernel_ms"] for r in rows.values())
@@ -188,6 +212,8 @@ def report(title: str, s: dict) -> str:
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms_per_1k_tokens"].items())[:5])
         lines.append(f"    {who:<12} busy {r['busy_ms']:8.1f} ms, kernels {r['kernel_ms']:8.1f} ms ({r['launches']}), "
                      f"{r['kernel_ms_per_1k_tokens']:6.2f} ms/1k tok [{kinds}], CPU {100 * r['cpu_share']:.0f}%")
+        lines.append("                 idle between its kernels, µs: " + ", ".join(
+            f"{band} {n} x = {ms:.1f} ms" for band, (n, ms) in r["gaps_us"].items() if n))
     return "\n".join(lines)
 
 
