@@ -22,6 +22,28 @@ import time  # noqa: E402
 from symbiont.base_executor import models  # noqa: E402
 
 
+def _host_provider_adapters(core, directory: str, log) -> None:
+    """Hosts every PEFT LoRA adapter under `directory` (a subdirectory each, or the directory
+    itself) as the provider's: shared by every tenant, named after its directory."""
+    import pathlib
+
+    from symbiont.base_executor.adapters import PROVIDER, AdapterError
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.adapters import load_peft_dir, peft_weights
+
+    root = pathlib.Path(directory)
+    found = [root] if (root / "adapter_config.json").exists() else sorted(d for d in root.glob("*") if (d / "adapter_config.json").exists())
+    if not found:
+        raise SystemExit(f"--adapters {directory}: no PEFT adapter directory (with adapter_config.json) there")
+    for d in found:
+        try:
+            state, config = load_peft_dir(d)
+            core.adapters.host(PROVIDER, pb.HostAdapterRequest(name=d.name, weights=peft_weights(state, config)))
+        except (AdapterError, ValueError) as e:
+            raise SystemExit(f"--adapters: {d}: {e}") from None
+    log.info("hosting %d adapters of the provider: %s", len(found), ", ".join(d.name for d in found))
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
@@ -129,6 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
         table.to(device, fuse_act=not args.no_fused_act)
     core = ExecutorCore(table, dtype, device, sched)
     core.tp = tp
+    if args.adapters:
+        if shard is not None:
+            raise SystemExit("--adapters: hosted adapters are not served by a sharded executor yet")
+        _host_provider_adapters(core, args.adapters, log)
     server = LocalServer(core, catalog, skeleton, server_config)
     log.info(
         "model %s: %d units, %.1f M frozen parameters%s, %s on %s, loaded in %.1f s",
@@ -334,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tenant-tokens", type=int, default=0, help="tokens one tenant may have queued (0: no limit)")
     s.add_argument("--max-queued-tokens", type=int, default=0, help="tokens queued over all tenants past which new "
                    "calls are answered RETRY_LATER with a hint when to retry (0: no limit)")
+    s.add_argument("--adapters", default="", help="host the PEFT LoRA adapters in this directory (one per subdirectory, "
+                   "named after it) for every tenant to name")
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client)")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")

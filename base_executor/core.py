@@ -10,6 +10,7 @@ import math
 import torch
 
 from symbiont.base_executor import runner
+from symbiont.base_executor.adapters import AdapterError, AdapterRegistry
 from symbiont.base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
 from symbiont.base_executor.scheduler import Call, Refused, Scheduler, SchedulerConfig
 from symbiont.proto import executor_pb2 as pb
@@ -96,6 +97,7 @@ class ExecutorCore:
         self.scheduler = Scheduler(config)
         self.counters = Counters()
         self.tp = None  # a TensorParallel (--placement tensor): each batch runs over every rank
+        self.adapters = AdapterRegistry(table, device)
 
     def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp is not None:
@@ -148,6 +150,17 @@ class ExecutorCore:
                 f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{int(ids.min())}, {int(ids.max())}]",
             )
 
+    def adapter_delta(self, tenant: int, adapter: int, unit: Unit, op: int):
+        """The hosted adapter's delta a call of `tenant` naming `adapter` (0: none) gets at `unit`."""
+        if not adapter:
+            return None
+        if self.tp is not None:
+            raise CallError(pb.INVALID_ARGUMENT, "hosted adapters are not served under --placement tensor yet")
+        try:
+            return self.adapters.delta(tenant, adapter, unit.id)
+        except AdapterError as e:
+            raise CallError(e.code, str(e)) from None
+
     # ---- queue and run ----------------------------------------------------
 
     def submit(self, call: Call) -> None:
@@ -199,9 +212,17 @@ class ExecutorCore:
                 c = calls[0]
                 if c.graphs is not None:
                     return [Result(c, c.graphs.run(c, exact))]
-                return [Result(c, self._gemm(c.unit, c.op, c.x, exact, c.out).view(c.out_shape))]
+                y = self._gemm(c.unit, c.op, c.x, exact, c.out)
+                if c.adapter is not None:
+                    c.adapter.add_to(c.op, c.x, y)
+                return [Result(c, y.view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = self._gemm(calls[0].unit, calls[0].op, x, exact)
+            start = 0
+            for c in calls:  # each call's hosted adapter on its own rows
+                if c.adapter is not None:
+                    c.adapter.add_to(c.op, x[start : start + c.tokens], y[start : start + c.tokens])
+                start += c.tokens
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1 and not isinstance(e, Unavailable):
                 return [r for c in calls for r in self._run([c])]

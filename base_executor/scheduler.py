@@ -80,6 +80,7 @@ class Call:
     out: torch.Tensor | None = None  # [tokens, d_out]: where a call run alone may write its result (no copy)
     graphs: object = None  # graphs.CallGraphs that may run it when alone (its out set), and its key there
     graph_key: object = None
+    adapter: object = None  # adapters.Delta of the hosted adapter the call names (never graphed)
 
     @property
     def tokens(self) -> int:

@@ -86,6 +86,38 @@ class Connection:
     def stats(self) -> pb.StatsReply:
         return self.transport.control("stats", pb.StatsRequest()).stats
 
+    # ---- hosted adapters ------------------------------------------------------------
+
+    def host_adapter(self, name: str, source, *, adapter_name: str = "default", device=None) -> pb.AdapterInfo:
+        """Hands a LoRA adapter to the executor, which then computes it for the calls that name it
+        (`virtualize(..., adapter=name)`, `model(..., adapter=name)`): `source` is a PEFT model
+        (its adapter `adapter_name`) or a saved PEFT adapter directory. Only this tenant may use
+        it; it is dropped when this tenant detaches. Hosted adapters are frozen (no gradients):
+        train privately, then host. `device`: where this tenant's tensors will live, for the
+        attach if it has not happened yet (as in model()). Plain LoRA only (no DoRA)."""
+        from symbiont.proto.adapters import load_peft_dir, peft_weights
+
+        if isinstance(source, (str, os.PathLike)):
+            state, config = load_peft_dir(source)
+        else:
+            configs = getattr(source, "peft_config", None)
+            if not configs or adapter_name not in configs:
+                raise ValueError(f"{type(source).__name__} has no PEFT adapter {adapter_name!r}: pass a PEFT model or an adapter directory")
+            state, config = source.state_dict(), configs[adapter_name].to_dict()
+        weights = peft_weights(state, config, adapter_name)
+        self.ensure_attached(device if device is not None else "cpu")
+        return self.transport.control("host_adapter", pb.HostAdapterRequest(name=name, weights=weights)).host_adapter
+
+    def adapters(self, name: str = "") -> list[pb.AdapterInfo]:
+        """The hosted adapters this tenant may name (its own and the provider's), or the one called `name`."""
+        self.ensure_attached()
+        return list(self.transport.control("adapters", pb.AdaptersRequest(name=name)).adapters.adapters)
+
+    def remove_adapter(self, name: str) -> None:
+        """Drops one of this tenant's hosted adapters (calls already sent still get it)."""
+        self.ensure_attached()
+        self.transport.control("remove_adapter", pb.RemoveAdapterRequest(name=name))
+
     def config(self):
         from transformers import AutoConfig
 
@@ -101,6 +133,7 @@ class Connection:
         attn_implementation: str | None = None,
         fuse: bool = True,
         whole_mlp: bool = True,
+        adapter: str | None = None,
     ) -> nn.Module:
         """The tenant's model built from the executor's skeleton alone, already virtualized and
         attached: no checkpoint on this side, and the units' weights are never materialised
@@ -111,7 +144,7 @@ class Connection:
         `dtype`: the served dtype (the default); the units compute in it, so another one raises.
         `build(config)` makes the model for a config (default: `AutoModelForCausalLM.from_config`);
         pass your own class's constructor to build that instead. Its module paths must be the
-        served model's. `fuse`, `whole_mlp`: as for virtualize.
+        served model's. `fuse`, `whole_mlp`, `adapter`: as for virtualize.
         """
         from safetensors.torch import load
         from transformers import AutoModelForCausalLM
@@ -136,7 +169,7 @@ class Connection:
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device)
+        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter)
         state = load(self.skeleton().weights)
         missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in state]
         if missing:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from symbiont.client.errors import ModelMismatchError
+from symbiont.client.transport import adapted_unit
 from symbiont.proto import executor_pb2 as pb
 
 
@@ -198,6 +199,7 @@ class UnitRef:
     _dtype: torch.dtype
     _shim_id: int
     _mask = None  # client.privacy.NoiseMask when this tenant masks its calls
+    _adapter = 0  # the hosted adapter (AdapterInfo.id) the executor adds to this unit's calls (virtualize's adapter=)
 
     def _register(self) -> None:
         self._shim_id = next(_IDS)
@@ -226,11 +228,12 @@ class UnitRef:
         if op == pb.BACKWARD:  # (a fused group's too)
             confirm_when_backward_ends(self.transport)
         shape = self._out_shape(x.shape, op)
+        unit = adapted_unit(self.unit_id, self._adapter)
         if self._mask is not None:
-            y = self._mask.call(self, x, op, lambda v: self.transport.call(self.unit_id, op, v, shape, self._dtype, latency))
+            y = self._mask.call(self, x, op, lambda v: self.transport.call(unit, op, v, shape, self._dtype, latency))
             if y is not None:
                 return y if take is None else take(y)
-        return self.transport.call(self.unit_id, op, x, shape, self._dtype, latency, take)
+        return self.transport.call(unit, op, x, shape, self._dtype, latency, take)
 
 
 class VirtLayer(UnitRef, nn.Module):

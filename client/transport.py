@@ -19,6 +19,12 @@ from symbiont.proto import codec, urls
 from symbiont.proto import executor_pb2 as pb
 
 
+def adapted_unit(unit: str, adapter: int) -> str:
+    """What a shim passes as `unit` to call a unit with hosted adapter `adapter` (0: none): the
+    transports keep it apart from the unit's plain calls (their plans, their names in errors)."""
+    return f"{unit}@{adapter}" if adapter else unit
+
+
 class Transport(abc.ABC):
     def __init__(self, url: str):
         self.url = url
@@ -112,8 +118,11 @@ class Transport(abc.ABC):
             return self._call(unit, op, x, tuple(out_shape), out_dtype, latency, take)
 
     def _request(self, unit: str, op: int, x: torch.Tensor, latency: int, call_id: int = 0) -> pb.CallRequest:
-        """The CallRequest of a call of `op` of `unit` on x (call_id 0: the fields every such call shares)."""
-        return pb.CallRequest(call_id=call_id, unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency)
+        """The CallRequest of a call of `op` of `unit` on x (call_id 0: the fields every such call shares).
+        `unit` may name a hosted adapter as UNIT@ID (adapted_unit)."""
+        unit, _, adapter = unit.partition("@")
+        return pb.CallRequest(call_id=call_id, unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency,
+                              adapter=int(adapter or 0))
 
     def confirm(self) -> None:
         """Waits until the executor has answered every call made so far and raises the first

@@ -20,6 +20,7 @@ from symbiont.client.fusion import fuse_siblings
 from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtScaledEmbedding, make_shim
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec
+from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.experts import expert_params
 from symbiont.proto.fingerprint import fingerprint
 
@@ -108,6 +109,17 @@ def _confirming(transports):
     return hook
 
 
+def _hosted_adapter(conn, name: str, units: dict, mask) -> pb.AdapterInfo:
+    """The hosted adapter `name`, checked against this model's linear units."""
+    if mask is not None:
+        raise ValueError("a hosted adapter and noise masking cannot be combined yet: hold the adapter privately to mask")
+    info = conn.adapters(name)[0]
+    missing = [u for u in info.units if u not in units]
+    if missing:
+        raise ModelMismatchError(f"hosted adapter {name!r} adapts {missing[0]!r}, which is not a linear unit of this model")
+    return info
+
+
 def virtualize(
     model: nn.Module,
     executor="local://symbiont",
@@ -117,6 +129,7 @@ def virtualize(
     whole_mlp: bool = True,
     device: torch.device | str | None = None,
     mask=None,
+    adapter: str | None = None,
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -128,7 +141,10 @@ def virtualize(
     model whose units are still on the meta device (built under `parameters_on_meta`) is
     virtualized without ever holding their weights. `mask` (a client.privacy.NoiseMask) adds
     fresh noise to every linear unit's input and gradient and removes its effect from the reply,
-    so the executor never sees them plain; it turns whole-MLP calls off.
+    so the executor never sees them plain; it turns whole-MLP calls off. `adapter` names a LoRA
+    adapter the executor hosts (Connection.host_adapter, or the provider's): the executor adds it
+    to the calls of the units it adapts (forward and input gradient; it is frozen), and the model
+    needs no adapter code; those units are called one by one (no fusion, no whole-MLP call).
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -198,9 +214,13 @@ def virtualize(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     conn.ensure_attached(device)
+    hosted = _hosted_adapter(conn, adapter, {unit.id for _, _, _, unit in plan}, mask) if adapter else None
+    adapted = set(hosted.units) if hosted else set()
     shims = {}
     for name, module, mixin, unit in plan:
         shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport_for(unit), served_dtype, device)
+        if unit.id in adapted:
+            shim._adapter = hosted.id
         _replace(root, name, shim)
     expert_refs = []
     for name, (module, units) in served_experts.items():
@@ -211,9 +231,10 @@ def virtualize(
     if mask is not None:
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
         mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
+    whole = [u for u in catalog.units if u.members and not adapted.intersection(u.members)]  # (an adapted unit calls alone)
     if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass)
-        serve_whole_mlps([u for u in catalog.units if u.kind == "mlp"], root, shims)
-    groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
+        serve_whole_mlps([u for u in whole if u.kind == "mlp"], root, shims)
+    groups = fuse_siblings(whole, shims, root) if fuse else []
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask

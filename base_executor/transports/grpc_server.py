@@ -209,6 +209,9 @@ class GrpcServer:
             return pb.ControlReply(status=_OK)
         if kind == "grow":
             return control_error(pb.INVALID_ARGUMENT, "gRPC tenants have no mailbox to grow")
+        if kind in ("host_adapter", "adapters", "remove_adapter"):
+            with self.hub.lock:
+                return self.hub.adapter_control(t.id, req)
         return control_error(pb.INVALID_ARGUMENT, f"unknown control request {kind}")
 
     # ---- calls --------------------------------------------------------------------
@@ -300,7 +303,7 @@ class GrpcServer:
         if unit.kind == "embedding":
             core.check_ids(unit, x)
         return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape,
-                    latency=req.latency, arrived=0.0)
+                    latency=req.latency, arrived=0.0, adapter=core.adapter_delta(t.id, req.adapter, unit, req.op))
 
 
 def _resolve(future: asyncio.Future, value) -> None:

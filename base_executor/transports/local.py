@@ -387,6 +387,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         call it already has a reply for still gets its input, and its areas wait for that."""
         if self.tenants.pop(t.id, None) is None:
             return
+        self.core.adapters.drop_owner(t.id)
         if release:
             t.areas.release_wait()
         t.box.mark_detached()

@@ -65,6 +65,9 @@ class LocalCalls:
                 graphs = self._graphs(t.areas, own=False)  # on the data loop's stream, unless _run_waiting moves it
         if unit.kind == "embedding":
             self.core.check_ids(unit, x)
+        adapter = self.core.adapter_delta(t.id, req.adapter, unit, req.op)
+        if adapter is not None:
+            graphs = None  # (a graph would keep the adapter's weights after it is removed)
         return Call(
             tenant=t.id,
             call_id=req.call_id,
@@ -78,6 +81,7 @@ class LocalCalls:
             out=out,
             graphs=graphs,
             graph_key=key,
+            adapter=adapter,
         )
 
     def _graphs(self, areas, own: bool):

@@ -14,6 +14,7 @@ import torch
 
 from google.protobuf.message import DecodeError
 
+from symbiont.base_executor.adapters import AdapterError
 from symbiont.base_executor.core import clip
 from symbiont.base_executor.transports.areas import Areas, Tenant, owner_alive, owner_of
 from symbiont.proto import mailbox
@@ -21,6 +22,7 @@ from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)
+ADAPTER_KINDS = ("host_adapter", "adapters", "remove_adapter")
 
 
 def rss_anon_bytes() -> int:
@@ -73,7 +75,8 @@ class LocalControl:
             return control_error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}")
         kind = req.WhichOneof("kind")
         if kind is None:
-            return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health, norms")
+            return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health, norms, "
+                                 "host_adapter, adapters, remove_adapter")
         if kind == "health":
             return pb.ControlReply(
                 status=_OK,
@@ -105,7 +108,29 @@ class LocalControl:
                 return pb.ControlReply(status=_OK)
             if kind == "grow":
                 return self._grow(t, req.grow.data_bytes)
+            if kind in ADAPTER_KINDS:
+                return self.adapter_control(t.id, req)
         return control_error(pb.INTERNAL, f"unhandled control request {kind}")
+
+    def adapter_control(self, owner: int, req: pb.ControlRequest) -> pb.ControlReply:
+        """host_adapter, adapters, remove_adapter of tenant `owner` (local or remote; caller holds
+        the lock): its own adapters and the provider's."""
+        kind = req.WhichOneof("kind")
+        registry = self.core.adapters
+        try:
+            if kind == "host_adapter":
+                if self.core.tp is not None or len(self.catalog.shards) > 1:
+                    return control_error(pb.INVALID_ARGUMENT, "hosted adapters are not served by a sharded executor yet")
+                adapter = registry.host(owner, req.host_adapter)
+                log.info("tenant %d hosted adapter %r (%d units)", owner, adapter.name, len(adapter.deltas))
+                return pb.ControlReply(status=_OK, host_adapter=adapter.info())
+            if kind == "adapters":
+                found = registry.visible(owner, req.adapters.name)
+                return pb.ControlReply(status=_OK, adapters=pb.AdaptersReply(adapters=[a.info() for a in found]))
+            registry.remove(owner, req.remove_adapter.name)
+            return pb.ControlReply(status=_OK)
+        except AdapterError as e:
+            return control_error(e.code, str(e))
 
     def _norms(self, unit_id: str) -> pb.ControlReply:
         """The squared norms of a linear unit's weight's output rows, float32 (what DoRA needs of

@@ -70,6 +70,7 @@ class RemoteTenants:
         with self.lock:
             if self.remote.pop(t.id, None) is None:
                 return
+            self.core.adapters.drop_owner(t.id)
             self._remote_gone.append(t.id)
         self.wake.ring()
         log.info("tenant %d (%s, %s) detached: %s", t.id, t.name, t.peer, why)

@@ -1,0 +1,205 @@
+"""Hosted adapters (issue 21): LoRA adapters the executor holds and adds to the calls that name
+them. Parity against the same adapter held privately (the unsplit PEFT model), the provider's
+shared adapters, batches mixing adapters, and the registry's typed errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiont import connect, virtualize
+from symbiont.base_executor.catalog import UnitTable
+from symbiont.base_executor.core import ExecutorCore
+from symbiont.base_executor.models import build_builtin
+from symbiont.base_executor.scheduler import Call, SchedulerConfig
+from symbiont.client.transport import adapted_unit
+from symbiont.client.errors import InvalidCallError, ShapeMismatchError, UnknownUnitError
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto.adapters import peft_weights
+from symbiont.proto.codec import dtype_enum
+from tests.conftest import running_executor
+from tests.models import ids, lora_model
+
+NAME = "tiny-llama"
+
+
+def test_a_hosted_adapter_computes_what_the_private_adapter_computes(executor):
+    ref = lora_model(NAME, seed=3)
+    ref.eval()
+    with connect(executor.url) as conn:
+        info = conn.host_adapter("mine", ref)
+        assert not info.shared and info.id > 0
+        assert sorted(info.units) == sorted(f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj"))
+        virt = virtualize(build_builtin(NAME), conn, adapter="mine")
+        assert not any("lora" in n for n, _ in virt.named_parameters()), "the tenant's model holds no adapter code"
+        x = ids(2, 11)
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(virt.generate(x[:1], **kw), ref.generate(x[:1], **kw))
+        # without the adapter the same executor serves the base model
+        plain = virtualize(build_builtin(NAME), conn)
+        with torch.no_grad():
+            torch.testing.assert_close(plain(x).logits, build_builtin(NAME)(x).logits)
+
+
+def test_gradients_flow_through_a_hosted_adapter(executor):
+    """BACKWARD adds the adapter's input-gradient term: a private adapter trained under a hosted one
+    gets the gradients it gets with both held privately."""
+    from peft import LoraConfig
+
+    hosted = lora_model(NAME, seed=5)
+    ref = lora_model(NAME, seed=5)
+    extra = LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], init_lora_weights=False, lora_dropout=0.0)
+    torch.manual_seed(7)
+    ref.add_adapter("private", extra)
+    ref.base_model.set_adapter(["default", "private"])
+    for n, p in ref.named_parameters():
+        p.requires_grad_("lora_" in n and ".private." in n)
+    with connect(executor.url) as conn:
+        conn.host_adapter("hosted", hosted)
+        from peft import get_peft_model
+
+        virt = virtualize(build_builtin(NAME), conn, adapter="hosted")
+        torch.manual_seed(7)
+        virt = get_peft_model(virt, extra, adapter_name="private")
+        x = ids(2, 9)
+        ref(input_ids=x, labels=x).loss.backward()
+        virt(input_ids=x, labels=x).loss.backward()
+        got = {n.split("base_model.model.")[-1]: p.grad for n, p in virt.named_parameters() if p.requires_grad}
+        want = {n.split("base_model.model.")[-1]: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        assert got.keys() == want.keys() and got
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_providers_adapters_are_shared_and_a_tenants_are_its_own(tmp_path):
+    shared = lora_model(NAME, seed=11)
+    shared.save_pretrained(tmp_path / "support-bot")
+    with running_executor(NAME, "--adapters", str(tmp_path)) as ex:
+        a, b = connect(ex.url, name="a"), connect(ex.url, name="b")
+        try:
+            listed = a.adapters()
+            assert [(i.name, i.shared) for i in listed] == [("support-bot", True)]
+            virt = virtualize(build_builtin(NAME), a, adapter="support-bot")
+            x = ids(1, 7)
+            shared.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(virt(x).logits, shared(x).logits, rtol=1e-6, atol=1e-6)
+            b.host_adapter("b-only", lora_model(NAME, seed=12))
+            assert {i.name for i in b.adapters()} == {"support-bot", "b-only"}
+            assert {i.name for i in a.adapters()} == {"support-bot"}, "a tenant sees no other tenant's adapter"
+            with pytest.raises(InvalidCallError, match="b-only"):
+                a.adapters("b-only")
+            with pytest.raises(InvalidCallError, match="provider"):
+                a.remove_adapter("support-bot")
+            b_id = b.adapters("b-only")[0].id
+            # a call naming another tenant's adapter by its id is refused; the tenant carries on
+            q = "model.layers.0.self_attn.q_proj"
+            with pytest.raises(InvalidCallError, match=f"id {b_id}"):
+                a.transport.call(adapted_unit(q, b_id), pb.FORWARD, torch.randn(3, 64), (3, 64), torch.float32, pb.INFERENCE)
+            with torch.no_grad():
+                torch.testing.assert_close(virt(x).logits, shared(x).logits, rtol=1e-6, atol=1e-6)
+            b.remove_adapter("b-only")
+            assert {i.name for i in b.adapters()} == {"support-bot"}
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_tenants_adapters_leave_with_it(executor):
+    with connect(executor.url, name="leaver") as conn:
+        conn.host_adapter("temporary", lora_model(NAME, seed=2))
+    with connect(executor.url, name="next") as conn:
+        with pytest.raises(InvalidCallError, match="temporary"):
+            conn.adapters("temporary")
+        conn.host_adapter("temporary", lora_model(NAME, seed=2))  # (the name is free again)
+        with pytest.raises(InvalidCallError, match="already hosted"):
+            conn.host_adapter("temporary", lora_model(NAME, seed=2))
+
+
+def test_adapters_that_do_not_fit_the_base_are_refused_with_typed_errors(executor):
+    with connect(executor.url) as conn:
+        conn.ensure_attached()
+        weights = peft_weights(lora_model(NAME).state_dict(), {"lora_alpha": 8})
+        narrow = pb.AdapterWeight()
+        narrow.CopyFrom(weights[0])
+        narrow.a = narrow.a[: len(narrow.a) // 2]  # A of another base's width
+        with pytest.raises(ShapeMismatchError, match="A must be"):
+            conn.transport.control("host_adapter", pb.HostAdapterRequest(name="narrow", weights=[narrow]))
+        with pytest.raises(UnknownUnitError):  # another architecture's modules
+            conn.host_adapter("gpt2", lora_model("tiny-gpt2"))
+        bad = pb.HostAdapterRequest(name="nowhere", weights=[pb.AdapterWeight(
+            unit="model.layers.9.mlp.up_proj", rank=1, dtype=weights[0].dtype, a=weights[0].a, b=weights[0].b, scale=1.0)])
+        with pytest.raises(UnknownUnitError):
+            conn.transport.control("host_adapter", bad)
+        emb = pb.HostAdapterRequest(name="emb", weights=[pb.AdapterWeight(
+            unit="model.embed_tokens", rank=1, dtype=weights[0].dtype, a=b"", b=b"", scale=1.0)])
+        with pytest.raises(InvalidCallError, match="linear"):
+            conn.transport.control("host_adapter", emb)
+        with pytest.raises(InvalidCallError, match="no adapter named"):
+            virtualize(build_builtin(NAME), conn, adapter="never-hosted")
+        with pytest.raises(ValueError, match="plain LoRA"):
+            peft_weights({}, {"peft_type": "LORA", "use_dora": True})
+        # after all of that the tenant carries on
+        conn.host_adapter("ok", lora_model(NAME))
+        virt = virtualize(build_builtin(NAME), conn, adapter="ok")
+        with torch.no_grad():
+            assert virt(ids(1, 5)).logits.isfinite().all()
+
+
+def test_one_batch_gives_each_call_its_own_adapter():
+    """The core alone: calls of three tenants batched into one GEMM, two naming different hosted
+    adapters (ranks 4 and 8), one naming none; forward and backward; each equals its call alone."""
+    model = build_builtin(NAME)
+    core = ExecutorCore(UnitTable(model), torch.float32, torch.device("cpu"), SchedulerConfig(max_wait_us=10**9))
+    unit = "model.layers.1.self_attn.v_proj"
+    w = model.get_submodule(unit).weight.detach()
+    deltas = {}
+    for tenant, r in ((1, 4), (2, 8)):
+        g = torch.Generator().manual_seed(tenant)
+        a, b = torch.randn(r, w.shape[1], generator=g), torch.randn(w.shape[0], r, generator=g)
+        weight = pb.AdapterWeight(unit=unit, rank=r, dtype=dtype_enum(torch.float32), a=a.numpy().tobytes(), b=b.numpy().tobytes(), scale=0.5)
+        adapter = core.adapters.host(tenant, pb.HostAdapterRequest(name=f"t{tenant}", weights=[weight]))
+        deltas[tenant] = (adapter.id, a, b)
+
+    def calls(op):
+        out = []
+        for tenant, tokens in ((1, 3), (2, 5), (3, 2)):
+            u, in_shape, out_shape, _ = core.check(unit, op, dtype_enum(torch.float32), [tokens, w.shape[1 if op == pb.FORWARD else 0]])
+            x = torch.randn(in_shape, generator=torch.Generator().manual_seed(10 + tenant))
+            delta = core.adapter_delta(tenant, deltas[tenant][0], u, op) if tenant in deltas else None
+            out.append(Call(tenant=tenant, call_id=tenant, unit=u, op=op, x=x, out_shape=out_shape, latency=pb.TRAINING,
+                            arrived=0.0, adapter=delta))
+        return out
+
+    for op in (pb.FORWARD, pb.BACKWARD):
+        for c in calls(op):
+            core.submit(c)
+        results = core.step(now=1e9, can_grow=False)
+        assert [r.call.tenant for r in results] == [1, 2, 3], "one batch of the three"
+        for r in results:
+            x = r.call.x
+            want = x @ w.t() if op == pb.FORWARD else x @ w
+            if r.call.tenant in deltas:
+                _, a, b = deltas[r.call.tenant]
+                want = want + ((x @ a.t()) @ b.t() * 0.5 if op == pb.FORWARD else (x * 0.5) @ b @ a)
+            torch.testing.assert_close(r.y, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="id"):
+        core.adapter_delta(3, deltas[1][0], core.table.get(unit), pb.FORWARD)  # tenant 3 may not use tenant 1's
+
+
+def test_a_grpc_tenant_hosts_and_names_its_adapter():
+    from tests.test_grpc import free_port
+
+    port = free_port()
+    ref = lora_model(NAME, seed=21)
+    ref.eval()
+    with running_executor(NAME, "--listen", f"grpc://127.0.0.1:{port}", "--insecure") as ex:
+        with connect(f"grpc://127.0.0.1:{port}") as conn:
+            assert conn.host_adapter("remote-one", ref).units
+            virt = virtualize(build_builtin(NAME), conn, adapter="remote-one")
+            x = ids(2, 6)
+            with torch.no_grad():
+                torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
+        with connect(ex.url) as local:  # a local tenant does not see the remote tenant's adapter, gone with it anyway
+            assert [a.name for a in local.adapters()] == []
