@@ -81,6 +81,9 @@ class AdapterRegistry:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def bytes(self) -> int:
+        return sum(a.info().bytes for a in self._by_id.values())
+
     # ---- adding and removing ----------------------------------------------------
 
     def host(self, owner: int, req: pb.HostAdapterRequest) -> Adapter:

@@ -83,6 +83,7 @@ class Counters:
     per_unit_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     flops: float = 0.0  # model FLOPs of the calls served
     refused: int = 0  # calls answered RETRY_LATER
+    adapter_calls: int = 0  # calls that named a hosted adapter
     classes: dict = dataclasses.field(default_factory=lambda: {pb.TRAINING: ClassCounters(), pb.INFERENCE: ClassCounters()})
     per_tenant_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_tenant_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -247,6 +248,7 @@ class ExecutorCore:
         for c in calls:
             self.counters.per_tenant_calls[c.tenant] += 1
             self.counters.per_tenant_tokens[c.tenant] += c.tokens
+            self.counters.adapter_calls += c.adapter is not None
 
     def count(self, unit: Unit, op: int, calls: int, batches: int, tokens: int, latency: int = pb.TRAINING) -> None:
         """Counts calls served of one unit, `batches` batches of calls // batches calls each (also

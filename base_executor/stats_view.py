@@ -45,7 +45,8 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
         f"policy {now.policy or 'opportunistic'} | up {now.uptime_s:.0f} s | tenants {now.tenants} | "
         f"queued {now.queued_calls} calls, {now.queued_tokens} tokens | refused {now.refused} | errors {now.errors}",
         f"calls {now.calls} | batches {now.batches} | tokens {now.tokens} | "
-        f"{now.calls / max(now.batches, 1):.2f} calls per batch",
+        f"{now.calls / max(now.batches, 1):.2f} calls per batch | hosted adapters {now.hosted_adapters} "
+        f"({now.adapter_bytes / 2**20:.1f} MiB), {now.adapter_calls} calls named one",
     ]
     if rate is not None:
         lines.append(
@@ -119,6 +120,8 @@ class StatsCollector:
         yield counter("refused", "calls answered RETRY_LATER", s.refused)
         yield gauge("queued_calls", "calls in the queues now", s.queued_calls)
         yield gauge("queued_tokens", "tokens in the queues now", s.queued_tokens)
+        yield gauge("hosted_adapters", "LoRA adapters the executor holds", s.hosted_adapters)
+        yield counter("adapter_calls", "calls that named a hosted adapter", s.adapter_calls)
         yield gauge("mailbox_bytes", "tenant mailboxes not yet freed", s.mailbox_bytes)
         yield gauge("gpu_allocated_bytes", "the executor's GPU memory, torch's allocator", s.gpu_allocated_bytes)
         yield gauge("host_private_bytes", "the executor's private host memory", s.rss_anon_bytes)

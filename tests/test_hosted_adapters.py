@@ -36,6 +36,8 @@ def test_a_hosted_adapter_computes_what_the_private_adapter_computes(executor):
             torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(virt.generate(x[:1], **kw), ref.generate(x[:1], **kw))
+        stats = conn.stats()
+        assert stats.hosted_adapters >= 1 and stats.adapter_bytes > 0 and stats.adapter_calls >= 4 * 9
         # without the adapter the same executor serves the base model
         plain = virtualize(build_builtin(NAME), conn)
         with torch.no_grad():
