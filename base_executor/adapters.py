@@ -56,6 +56,20 @@ class Delta:
 
 
 @dataclasses.dataclass
+class GroupDelta:
+    """The deltas of a fused group's adapted members: each on the member's output columns [a, b)."""
+
+    parts: list[tuple[int, int, Delta]]
+
+    def add_to(self, op: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        for a, b, delta in self.parts:
+            if op == pb.BACKWARD:  # (grad_y's columns of the member give its share of grad_x)
+                delta.add_to(op, x[:, a:b], y)
+            else:
+                delta.add_to(op, x, y[:, a:b])
+
+
+@dataclasses.dataclass
 class Adapter:
     name: str
     id: int
@@ -160,12 +174,17 @@ class AdapterRegistry:
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter named {name!r} is hosted for this tenant")
         return found
 
-    def delta(self, owner: int, adapter_id: int, unit_id: str) -> Delta:
-        """The delta a call of `owner` naming adapter `adapter_id` at `unit_id` gets."""
+    def delta(self, owner: int, adapter_id: int, unit):
+        """What a call of `owner` naming adapter `adapter_id` at `unit` gets: the unit's Delta, or
+        for a fused group (q/k/v, gate/up) a GroupDelta of its adapted members."""
         adapter = self._by_id.get(adapter_id)
         if adapter is None or adapter.owner not in (owner, PROVIDER):
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter with id {adapter_id} is hosted for this tenant")
-        found = adapter.deltas.get(unit_id)
+        if unit.members and unit.kind in (LINEAR, CONV1D):
+            parts = [(m.rows[0], m.rows[1], adapter.deltas[m.id]) for m in unit.members if m.id in adapter.deltas]
+            if parts:
+                return GroupDelta(parts)
+        found = adapter.deltas.get(unit.id)
         if found is None:
-            raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {adapter.name!r} has nothing for unit {unit_id!r}")
+            raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {adapter.name!r} has nothing for unit {unit.id!r}")
         return found

@@ -158,7 +158,7 @@ class ExecutorCore:
         if self.tp is not None:
             raise CallError(pb.INVALID_ARGUMENT, "hosted adapters are not served under --placement tensor yet")
         try:
-            return self.adapters.delta(tenant, adapter, unit.id)
+            return self.adapters.delta(tenant, adapter, unit)
         except AdapterError as e:
             raise CallError(e.code, str(e)) from None
 

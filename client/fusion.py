@@ -40,6 +40,7 @@ class FusedGroup(UnitRef):
         if sum(self.sizes) != self._d_out or any(m._d_in != self._d_in for m in members):
             raise ValueError(f"group {unit.id!r} ({self._d_in} -> {self._d_out}) does not match its members' widths {self.sizes}")
         self.enabled = True
+        self._adapter = next((m._adapter for m in members if m._adapter), 0)  # (the executor adds each adapted member's share)
         self._x: torch.Tensor | None = None  # the input of the last group call
         self._state = None  # _state(x) then: a sibling takes a kept output only if it is unchanged
         self._kept: dict[int, torch.Tensor] = {}  # member index -> its output from that call

@@ -144,7 +144,8 @@ def virtualize(
     so the executor never sees them plain; it turns whole-MLP calls off. `adapter` names a LoRA
     adapter the executor hosts (Connection.host_adapter, or the provider's): the executor adds it
     to the calls of the units it adapts (forward and input gradient; it is frozen), and the model
-    needs no adapter code; those units are called one by one (no fusion, no whole-MLP call).
+    needs no adapter code; a fused group's call carries it for its adapted members, while a gated
+    MLP block with an adapted Linear calls its Linears one by one.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -231,10 +232,9 @@ def virtualize(
     if mask is not None:
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
         mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
-    whole = [u for u in catalog.units if u.members and not adapted.intersection(u.members)]  # (an adapted unit calls alone)
-    if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass)
-        serve_whole_mlps([u for u in whole if u.kind == "mlp"], root, shims)
-    groups = fuse_siblings(whole, shims, root) if fuse else []
+    if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass; an adapted block calls its Linears)
+        serve_whole_mlps([u for u in catalog.units if u.kind == "mlp" and not adapted.intersection(u.members)], root, shims)
+    groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask

@@ -37,7 +37,7 @@ def test_a_hosted_adapter_computes_what_the_private_adapter_computes(executor):
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(virt.generate(x[:1], **kw), ref.generate(x[:1], **kw))
         stats = conn.stats()
-        assert stats.hosted_adapters >= 1 and stats.adapter_bytes > 0 and stats.adapter_calls >= 4 * 9
+        assert stats.hosted_adapters >= 1 and stats.adapter_bytes > 0 and stats.adapter_calls >= 2 * 9  # (a fused q/k/v call per layer and forward)
         # without the adapter the same executor serves the base model
         plain = virtualize(build_builtin(NAME), conn)
         with torch.no_grad():
