@@ -144,6 +144,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
     p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
     p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
     a = p.parse_args()
@@ -158,6 +159,11 @@ def main() -> int:
             lora(model, RANKS[i % len(RANKS)], targets, n, into=model)
     else:
         model = lora(model, RANKS[a.index % len(RANKS)], targets)
+    if a.hosted:  # the executor computes the adapter: the tenant's model holds none
+        name = f"{a.role}-{a.index}"
+        conn.host_adapter(name, model, device=a.device)
+        del model
+        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name)
     if a.role == "finetune":
         model.train()
     else:

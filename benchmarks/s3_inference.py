@@ -36,6 +36,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor, tenant 0 and process 0 with py-spy (pip install py-spy)")
+    p.add_argument("--hosted", action="store_true", help="also run the tenants with their adapters hosted by the executor (issue 21)")
     p.add_argument("--gpu-profile", default="", help="at these N (comma-separated), one more run of each side with every "
                    "process's GPU work and CPU time recorded (benchmarks/fleet_timeline.py)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
@@ -103,6 +104,14 @@ def main() -> int:
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "batches": fleet.batch_share(before, after)})
                 print(json.dumps(rows[-1]), flush=True)
+                if a.hosted:  # the same tenants with their adapters hosted by the executor
+                    before = fleet.executor_stats(url)
+                    res, base, peak = fleet.run_fleet([[*w, "--hosted"] for w in workers], a.seconds)
+                    after = fleet.executor_stats(url)
+                    rows.append({"k": n, "who": f"symbiont {policy}, hosted adapters", **fleet.infer_figures(res),
+                                 "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
+                                 "batches": fleet.batch_share(before, after)})
+                    print(json.dumps(rows[-1]), flush=True)
                 if n in profile_ns:
                     profiled(workers, f"symbiont {policy}", n, (proc, ex_profile))
         finally:

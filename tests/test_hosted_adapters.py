@@ -205,3 +205,31 @@ def test_a_grpc_tenant_hosts_and_names_its_adapter():
                 torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
         with connect(ex.url) as local:  # a local tenant does not see the remote tenant's adapter, gone with it anyway
             assert [a.name for a in local.adapters()] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_same_gpu_tenant_with_a_hosted_adapter(dtype):
+    """A tenant on the executor's GPU (CUDA IPC mailboxes, calls returning before their replies, its
+    calls taken on its own stream): a hosted adapter gives the private adapter's logits and tokens,
+    and its calls beside a plain tenant's graph replays leave those exact."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    flags = ("--device", "cuda:0") + (("--dtype", "bfloat16") if dtype == torch.bfloat16 else ())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with running_executor(NAME, *flags) as ex:
+        ref = lora_model(NAME, seed=4, base=build_builtin(NAME, dtype).cuda())
+        ref.eval()
+        plain_ref = build_builtin(NAME, dtype).cuda()
+        with connect(ex.url) as conn, connect(ex.url) as other:
+            conn.host_adapter("gpu-one", ref, device="cuda:0")
+            virt = virtualize(build_builtin(NAME, dtype).cuda(), conn, adapter="gpu-one")
+            plain = virtualize(build_builtin(NAME, dtype).cuda(), other)
+            x = ids(2, 13).cuda()
+            with torch.no_grad():
+                for _ in range(3):  # (plain calls become graph replays meanwhile)
+                    torch.testing.assert_close(virt(x).logits.float(), ref(x).logits.float(), **tol)
+                    torch.testing.assert_close(plain(x).logits, plain_ref(x).logits, rtol=1e-5, atol=1e-5)
+            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+            if dtype == torch.float32:
+                assert torch.equal(virt.generate(x[:1], **kw), ref.generate(x[:1], **kw))
+            assert conn.stats().adapter_calls > 0
