@@ -77,6 +77,13 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
             rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
+    def row(n, who, res, base, peak, before, after):
+        # (the executor's memory is in `base`, started before the fleet: counted once)
+        rows.append({"k": n, "who": who, **fleet.infer_figures(res),
+                     "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
+                     "batches": fleet.batch_share(before, after)})
+        print(json.dumps(rows[-1]), flush=True)
+
     for policy, flags in fleet.executor_variants(a):
         ex_profile = out / f"s3_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ns else None
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
@@ -100,18 +107,11 @@ def main() -> int:
 
                     print("executor, its data loop:\n" + top_frames(spy_paths[0], fleet.REPO, within="_data_loop"), flush=True)
                     print("tenant 0:\n" + top_frames(spy_paths[1], fleet.REPO), flush=True)
-                rows.append({"k": n, "who": f"symbiont {policy}", **fleet.infer_figures(res),
-                             "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
-                             "batches": fleet.batch_share(before, after)})
-                print(json.dumps(rows[-1]), flush=True)
+                row(n, f"symbiont {policy}", res, base, peak, before, after)
                 if a.hosted:  # the same tenants with their adapters hosted by the executor
                     before = fleet.executor_stats(url)
                     res, base, peak = fleet.run_fleet([[*w, "--hosted"] for w in workers], a.seconds)
-                    after = fleet.executor_stats(url)
-                    rows.append({"k": n, "who": f"symbiont {policy}, hosted adapters", **fleet.infer_figures(res),
-                                 "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
-                                 "batches": fleet.batch_share(before, after)})
-                    print(json.dumps(rows[-1]), flush=True)
+                    row(n, f"symbiont {policy}, hosted adapters", res, base, peak, before, fleet.executor_stats(url))
                 if n in profile_ns:
                     profiled(workers, f"symbiont {policy}", n, (proc, ex_profile))
         finally:
