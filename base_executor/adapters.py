@@ -149,13 +149,14 @@ class AdapterRegistry:
             raise AdapterError(pb.INVALID_ARGUMENT, f"{where}: weights hold NaN or infinity")
         return Delta(a, b, scale)
 
-    def remove(self, owner: int, name: str) -> None:
+    def remove(self, owner: int, name: str) -> Adapter:
         adapter = self._by_name.get((owner, name))
         if adapter is None:
             shared = (PROVIDER, name) in self._by_name
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} is the provider's: a tenant cannot remove it" if shared
                                else f"no adapter named {name!r} is hosted for this tenant")
         self._drop(adapter)
+        return adapter
 
     def drop_owner(self, owner: int) -> None:
         """Drops a tenant's adapters (it left)."""

@@ -34,13 +34,22 @@ MAX_GRAPHS = 512  # per CallGraphs; the oldest key goes first beyond it (a decod
 
 
 class _Entry:
-    __slots__ = ("seen", "graph", "y", "failed")
+    __slots__ = ("seen", "graph", "y", "failed", "adapter")
 
     def __init__(self):
         self.seen = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.y: torch.Tensor | None = None  # the result in the mailbox, in the call's output shape
         self.failed = False
+        self.adapter = None  # the hosted adapter's delta its graph reads: kept while the graph lives
+
+
+def _compute(call: Call, exact: bool) -> torch.Tensor:
+    """call's result into call.out: the unit's op, then the hosted adapter's term when it names one."""
+    y = runner.run(call.unit, call.op, call.x, exact, call.out)
+    if call.adapter is not None:
+        call.adapter.add_to(call.op, call.x, y)
+    return y
 
 
 class CallGraphs:
@@ -90,15 +99,16 @@ class CallGraphs:
                             call.unit.id, pb.Op.Name(call.op), type(ex).__name__, ex)
             else:
                 e.y = call.out.view(call.out_shape)
+                e.adapter = call.adapter
                 e.graph.replay()
                 self.counters.graph_captures += 1
                 self.counters.graph_replays += 1
                 return e.y
         stream = torch.cuda.current_stream(self.device)
         if stream.cuda_stream == 0 or not SHARED_POOLS:  # (the default stream's graphs are captured on the side stream)
-            return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+            return _compute(call, exact).view(call.out_shape)
         with torch.cuda.use_mem_pool(self._memory(), self.device):
-            return runner.run(call.unit, call.op, call.x, exact, call.out).view(call.out_shape)
+            return _compute(call, exact).view(call.out_shape)
 
     def _memory(self):
         """The pool of this stream's graphs and eager calls (every use is on the one stream, so
@@ -127,7 +137,7 @@ class CallGraphs:
             # capture would refuse
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                runner.run(call.unit, call.op, call.x, exact, call.out)
+                _compute(call, exact)
             finally:
                 graph.capture_end()
         finally:

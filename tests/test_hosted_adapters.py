@@ -42,6 +42,9 @@ def test_a_hosted_adapter_computes_what_the_private_adapter_computes(executor):
         plain = virtualize(build_builtin(NAME), conn)
         with torch.no_grad():
             torch.testing.assert_close(plain(x).logits, build_builtin(NAME)(x).logits)
+        conn.remove_adapter("mine")  # then a call naming it is refused
+        with pytest.raises(InvalidCallError, match="no adapter with id"), torch.no_grad():
+            virt(x)
 
 
 def test_gradients_flow_through_a_hosted_adapter(executor):
@@ -232,4 +235,12 @@ def test_a_same_gpu_tenant_with_a_hosted_adapter(dtype):
             kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
             if dtype == torch.float32:
                 assert torch.equal(virt.generate(x[:1], **kw), ref.generate(x[:1], **kw))
-            assert conn.stats().adapter_calls > 0
+            stats = conn.stats()
+            assert stats.adapter_calls > 0 and stats.graph_replays > 0
+            # removed, its calls are refused, native lane or not; the other tenant carries on
+            conn.remove_adapter("gpu-one")
+            with pytest.raises(InvalidCallError, match="no adapter with id"):
+                with torch.no_grad():
+                    virt(x)
+            with torch.no_grad():
+                torch.testing.assert_close(plain(x).logits, plain_ref(x).logits, rtol=1e-5, atol=1e-5)

@@ -44,6 +44,9 @@ class _Told:
     results: list = dataclasses.field(default_factory=list)
 
 
+ADAPTED = object()  # the first element of the graph key of a call that names a hosted adapter
+
+
 class LocalCalls:
     """Calls and replies of LocalServer; `self` is the LocalServer."""
 
@@ -67,7 +70,7 @@ class LocalCalls:
             self.core.check_ids(unit, x)
         adapter = self.core.adapter_delta(t.id, req.adapter, unit, req.op)
         if adapter is not None:
-            graphs = None  # (a graph would keep the adapter's weights after it is removed)
+            key = (ADAPTED, req.adapter, key)  # (its graph holds the adapter's delta: graphs.py)
         return Call(
             tenant=t.id,
             call_id=req.call_id,
@@ -132,6 +135,14 @@ class LocalCalls:
         header = areas.lane_keys.pop(key, None)
         if header is not None:
             areas.lane.forget(header)
+
+    def _unlearn_adapter(self, owner: int, adapter: int) -> None:
+        """The lane of tenant `owner` forgets the calls naming `adapter` (removed): they go to
+        Python again, which refuses them (caller holds the lock)."""
+        t = self.tenants.get(owner)
+        if t is not None:
+            for key in [k for k in t.areas.lane_keys if k[0] is ADAPTED and k[1] == adapter]:
+                self._unlearn(t.areas, key)
 
     def _serve_lane(self, t: Tenant) -> int:
         """Serves the calls at the front of t's ring that its lane knows; how many."""

@@ -127,7 +127,8 @@ class LocalControl:
             if kind == "adapters":
                 found = registry.visible(owner, req.adapters.name)
                 return pb.ControlReply(status=_OK, adapters=pb.AdaptersReply(adapters=[a.info() for a in found]))
-            registry.remove(owner, req.remove_adapter.name)
+            removed = registry.remove(owner, req.remove_adapter.name)
+            self._unlearn_adapter(owner, removed.id)
             return pb.ControlReply(status=_OK)
         except AdapterError as e:
             return control_error(e.code, str(e))
