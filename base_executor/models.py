@@ -140,8 +140,6 @@ def build_builtin(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Loads MODEL as `serve --model` names it; ValueError listing the choices when it is none of them."""
-    from transformers import AutoModelForCausalLM
-
     if spec in BUILTINS:
         builtin = BUILTINS[spec]
         if builtin.gguf_package is None:
@@ -155,7 +153,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         return _load_gguf(path, dtype, name=spec)
     path = pathlib.Path(spec)
     if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        from transformers import AutoConfig
+
+        from symbiont.proto.automodel import auto_model_class
+
+        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype).eval()
         files = {f: (path / f).read_bytes() for f in TOKENIZER_FILES if (path / f).is_file()}
         return LoadedModel(path.name, model, files)
     if path.suffix == ".gguf" and path.is_file():

@@ -147,9 +147,9 @@ class Connection:
         served model's. `fuse`, `whole_mlp`, `adapter`: as for virtualize.
         """
         from safetensors.torch import load
-        from transformers import AutoModelForCausalLM
 
         from symbiont.client.virtualize import virtualize
+        from symbiont.proto.automodel import auto_model_class
 
         served = codec.torch_dtype(self.skeleton().dtype)
         if dtype is not None and dtype != served:
@@ -162,7 +162,7 @@ class Connection:
         if attn_implementation:
             config._attn_implementation = attn_implementation
         if build is None:
-            build = lambda cfg: AutoModelForCausalLM.from_config(cfg, dtype=served)  # noqa: E731
+            build = lambda cfg: auto_model_class(cfg).from_config(cfg, dtype=served)  # noqa: E731
         with parameters_on_meta(), _default_dtype(served):
             model = build(config)
         for module in model.modules():  # computed buffers (rotary frequencies, ...) are real: move them

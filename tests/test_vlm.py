@@ -1,0 +1,95 @@
+"""Vision-language models (issue 22): a LLaVA-style model (CLIP vision tower, projector, Llama)
+built from a tiny config, saved and served by a real executor. The vision tower's and the
+projector's Linears are served like the language model's; what stays with the tenant is its
+patch convolution, norms and attention. Exact against the unsplit model with images: logits,
+greedy `generate`, LoRA gradients on the language and the vision side; and a tenant's model built
+from the executor's skeleton alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from symbiont import connect, virtualize
+from symbiont.client.shim import VirtLayer
+from tests.conftest import running_executor
+from tests.models import assert_grads_close, lora_grads
+
+IMAGE_TOKEN, PATCHES = 250, 16  # a 32 x 32 image in 8 x 8 patches
+
+
+def llava_config():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=256, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                              patch_size=8, projection_dim=32)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, vision_feature_layer=-1)
+
+
+def inputs(batch: int = 2, text: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.ones(batch, 1, dtype=torch.long), torch.full((batch, PATCHES), IMAGE_TOKEN),
+                     torch.randint(3, 240, (batch, text), generator=g)], 1)
+    return ids, torch.randn(batch, 3, 32, 32, generator=g)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    d = tmp_path_factory.mktemp("llava")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForImageTextToText.from_config(llava_config()).save_pretrained(d)
+    load = lambda: AutoModelForImageTextToText.from_pretrained(d).float().eval()  # noqa: E731
+    with running_executor(str(d)) as ex:
+        yield ex, load
+
+
+def test_llava_with_images_is_exact(llava):
+    ex, load = llava
+    ref, virt = load(), virtualize(load(), ex.url)
+    served = {n for n, m in virt.named_modules() if isinstance(m, VirtLayer)}
+    assert any(n.startswith("model.vision_tower.") and n.endswith("q_proj") for n in served), "the vision tower's Linears are served"
+    assert any(n.startswith("model.multi_modal_projector.") for n in served), "the projector is served"
+    assert isinstance(virt.get_submodule("model.vision_tower.embeddings.patch_embedding"), torch.nn.Conv2d)  # (stays here)
+    ids, pixels = inputs()
+    with torch.no_grad():
+        assert torch.equal(virt(input_ids=ids, pixel_values=pixels).logits, ref(input_ids=ids, pixel_values=pixels).logits)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(virt.generate(input_ids=ids[:1], pixel_values=pixels[:1], **kw),
+                       ref.generate(input_ids=ids[:1], pixel_values=pixels[:1], **kw))
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], r".*vision_tower.*(q_proj|v_proj|fc1)", r".*multi_modal_projector\.linear_\d"],
+                         ids=["language-and-vision-attention", "vision-only", "projector"])
+def test_llava_lora_gradients(llava, targets):
+    from peft import LoraConfig, get_peft_model
+
+    ex, load = llava
+
+    def adapted(model):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            return get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+
+    ref, virt = adapted(load()), virtualize(adapted(load()), ex.url)
+    ids, pixels = inputs(seed=1)
+    for m in (ref, virt):
+        m(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
+    want = lora_grads(ref)
+    assert any("vision_tower" in n for n in want) and any("language_model" in n for n in want) if isinstance(targets, list) \
+        else want and all(("vision_tower" in n or "projector" in n) for n in want)
+    assert_grads_close(want, lora_grads(virt))
+
+
+def test_a_vlm_tenant_built_from_the_skeleton(llava):
+    ex, load = llava
+    ref = load()
+    with connect(ex.url) as conn:
+        virt = conn.model(device="cpu")
+        assert type(virt).__name__ == "LlavaForConditionalGeneration"
+        ids, pixels = inputs(batch=1, seed=2)
+        with torch.no_grad():
+            assert torch.equal(virt(input_ids=ids, pixel_values=pixels).logits, ref(input_ids=ids, pixel_values=pixels).logits)
