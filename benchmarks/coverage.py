@@ -1,6 +1,9 @@
 """Coverage: which of transformers' causal-LM model types symbiont serves exactly (issue 22).
 
-    python benchmarks/coverage.py [--types llama,opt,...] [--jobs 2] [--timeout 240] [--tag TAG]
+    python benchmarks/coverage.py [--kind causal-lm|image-text-to-text] [--types llama,opt,...] [--jobs 2] [--timeout 240] [--tag TAG]
+
+`--kind image-text-to-text` walks the vision-language types the same way, their sub-configs shrunk
+too, on text inputs (no image: tests/test_vlm.py checks a LLaVA with images).
 
 Per model type, in a process of its own with a time limit: a tiny config (transformers' defaults
 for the type, shrunk: 2 layers, width 64, 4 heads, vocab 256, few experts), the model built from it
@@ -46,10 +49,21 @@ CONSISTENT = {
 }
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, nested: bool = False):
+    """With `nested`, the sub-configs are shrunk too (a vision-language model's text, vision, ...
+    configs; the causal-LM walk leaves them as its published figures were measured)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
+    _shrink(config, model_type)
+    for name in list(vars(config)) if nested else []:
+        sub = getattr(config, name, None)
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
+            _shrink(sub, getattr(sub, "model_type", ""))
+    return config
+
+
+def _shrink(config, model_type: str) -> None:
     for key, value in SMALL.items():
         if hasattr(config, key) and isinstance(getattr(config, key), int):
             try:
@@ -65,13 +79,17 @@ def tiny_config(model_type: str):
         v = getattr(config, key)  # (per-layer sizes follow the depth and the shrunk size)
         if isinstance(v, list) and isinstance(depth, int) and v and isinstance(v[0], int):
             setattr(config, key, [SMALL.get(key[: -len("_per_layer")], v[0])] * depth)
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and model_type.endswith("_text"):  # (a VLM's text config: its multimodal rotary
+        # sections, where it has them, must fill the shrunk rotary width; the models' defaults fill 128)
+        half = int(SMALL["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        rope["mrope_section"] = [half - 2 * (half // 4), half // 4, half // 4]
     for key, value in CONSISTENT.get(model_type, {}).items():
         setattr(config, key, value)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
         v = getattr(config, key, None)
         if isinstance(v, int) and v >= 256:
             setattr(config, key, 2)
-    return config
 
 
 def linear_names(model) -> list[str]:
@@ -109,23 +127,25 @@ def lora_step(model, targets, x) -> dict:
     return lora_grads(m)
 
 
-def check(model_type: str) -> dict:
+def check(model_type: str, kind: str = "causal-lm") -> dict:
     """One type, in this process: the first stage that fails and why, or stage "exact"."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from symbiont.proto.automodel import auto_model_class
 
     from symbiont import virtualize
     from tests.conftest import running_executor
 
     stage = "config"
     try:
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, nested=kind != "causal-lm")
+        auto = auto_model_class(config)
         stage = "build"
 
         def build():
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                return AutoModelForCausalLM.from_config(config).float().eval()
+                return auto.from_config(config).float().eval()
 
         ref = build()
         x = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -137,7 +157,7 @@ def check(model_type: str) -> dict:
             ref.save_pretrained(d)
             # both sides load the checkpoint, as a user does, with the eager experts implementation (served
             # experts run it in the tenant: proto/experts.py; grouped_mm's other kernel is equal to rounding)
-            load = lambda: AutoModelForCausalLM.from_pretrained(d, experts_implementation="eager").float().eval()  # noqa: E731
+            load = lambda: auto.from_pretrained(d, experts_implementation="eager").float().eval()  # noqa: E731
             ref = load()
             with torch.no_grad():
                 want = ref(input_ids=x).logits
@@ -195,10 +215,10 @@ def check(model_type: str) -> dict:
         return {"stage": stage, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
 
-def run_one(model_type: str, timeout: float) -> dict:
+def run_one(model_type: str, timeout: float, kind: str = "causal-lm") -> dict:
     t0 = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, __file__, "--one", model_type, "--kind", kind], capture_output=True, text=True,
                              timeout=timeout, cwd=REPO)
         lines = [l for l in out.stdout.splitlines() if l.startswith("result ")]
         r = json.loads(lines[-1][len("result "):]) if lines else {"stage": "crash", "why": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -213,21 +233,24 @@ CONSTRUCTED = ("save", "serve", "virtualize", "logits", "generate", "lora", "lor
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--types", default="", help="comma-separated model types (default: every causal-LM type)")
+    p.add_argument("--types", default="", help="comma-separated model types (default: every type of --kind)")
+    p.add_argument("--kind", default="causal-lm", choices=["causal-lm", "image-text-to-text"],
+                   help="which of transformers' auto mappings to walk; image-text-to-text types are checked on text inputs")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
     if a.one:
-        print("result " + json.dumps(check(a.one)), flush=True)
+        print("result " + json.dumps(check(a.one, a.kind)), flush=True)
         return 0
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    types = a.types.split(",") if a.types else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if a.kind == "causal-lm" else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    types = a.types.split(",") if a.types else sorted(mapping)
     rows = []
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
-        for r in pool.map(lambda t: run_one(t, a.timeout), types):
+        for r in pool.map(lambda t: run_one(t, a.timeout, a.kind), types):
             rows.append(r)
             print(f"{r['type']:<28} {r['stage']:<10} {r['seconds']:>6.1f}s  {r['why']}", flush=True)
     built = [r for r in rows if r["stage"] in CONSTRUCTED]
@@ -235,12 +258,12 @@ def main() -> int:
     linears = [r for r in rows if r["stage"] == "exact-linears"]
     if linears:
         print(f"{len(linears)} more exact with LoRA on their Linears only (all-linear LoRA on served expert weights is refused)")
-    print(f"\n{len(exact)} exact of {len(built)} constructible ({len(rows)} causal-LM types; the rest fail to build or "
+    print(f"\n{len(exact)} exact of {len(built)} constructible ({len(rows)} {a.kind} types; the rest fail to build or "
           f"run from a shrunk default config)")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"coverage_{a.tag}.json"
-    path.write_text(json.dumps({"exact": len(exact), "constructible": len(built), "types": len(rows), "rows": rows}, indent=1))
+    path.write_text(json.dumps({"kind": a.kind, "exact": len(exact), "constructible": len(built), "types": len(rows), "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
 
