@@ -140,6 +140,8 @@ def check(model_type: str, kind: str = "causal-lm") -> dict:
     try:
         config = tiny_config(model_type, nested=kind != "causal-lm")
         auto = auto_model_class(config)
+        if kind == "image-text-to-text":  # (a type in both mappings is walked here as the vision-language model)
+            from transformers import AutoModelForImageTextToText as auto
         stage = "build"
 
         def build():

@@ -1,6 +1,8 @@
-"""Which transformers auto class builds a model type: the causal-LM one where transformers has it,
-else the image-text-to-text one (vision-language models: LLaVA, Qwen2-VL, Idefics3, ...). The
-executor loads a checkpoint with it, a tenant builds its model from the skeleton with it."""
+"""Which transformers auto class builds a model: the image-text-to-text one for a vision-language
+model (LLaVA, Qwen2-VL, Idefics3, ...), the causal-LM one otherwise. A type in both mappings
+(Gemma 3, Mllama, ...) is a vision-language model when its checkpoint says so (`architectures`
+names no *ForCausalLM class). The executor loads a checkpoint with it, a tenant builds its model
+from the skeleton with it."""
 from __future__ import annotations
 
 
@@ -9,6 +11,9 @@ def auto_model_class(config):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     kind = getattr(config, "model_type", "")
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (arch and not arch.endswith("ForCausalLM")):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
