@@ -219,11 +219,7 @@ class ExecutorCore:
                 return [Result(c, y.view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = self._gemm(calls[0].unit, calls[0].op, x, exact)
-            start = 0
-            for c in calls:  # each call's hosted adapter on its own rows
-                if c.adapter is not None:
-                    c.adapter.add_to(c.op, x[start : start + c.tokens], y[start : start + c.tokens])
-                start += c.tokens
+            self._add_adapters(calls, x, y)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1 and not isinstance(e, Unavailable):
                 return [r for c in calls for r in self._run([c])]
@@ -233,6 +229,26 @@ class ExecutorCore:
             results.append(Result(c, y[start : start + c.tokens].view(c.out_shape)))
             start += c.tokens
         return results
+
+    @staticmethod
+    def _add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
+        """Each call's hosted adapter on its own rows of a batch; the calls naming one adapter get it
+        in one pass over their rows together (the provider's adapter named by many tenants)."""
+        rows: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        start = 0
+        for c in calls:
+            if c.adapter is not None and c.tokens:
+                rows.setdefault(id(c.adapter), (c.adapter, []))[1].append(torch.arange(start, start + c.tokens, device=x.device))
+            start += c.tokens
+        for delta, parts in rows.values():
+            if len(parts) == 1:
+                a, b = int(parts[0][0]), int(parts[0][-1]) + 1
+                delta.add_to(calls[0].op, x[a:b], y[a:b])
+                continue
+            idx = torch.cat(parts)
+            ys = y.index_select(0, idx)
+            delta.add_to(calls[0].op, x.index_select(0, idx), ys)
+            y.index_copy_(0, idx, ys)
 
     def _fail(self, calls: list[Call], e: Exception) -> list[Result]:
         log.exception("running %s failed", calls[0].unit.id)

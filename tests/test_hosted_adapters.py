@@ -153,26 +153,29 @@ def test_adapters_that_do_not_fit_the_base_are_refused_with_typed_errors(executo
 
 
 def test_one_batch_gives_each_call_its_own_adapter():
-    """The core alone: calls of three tenants batched into one GEMM, two naming different hosted
-    adapters (ranks 4 and 8), one naming none; forward and backward; each equals its call alone."""
+    """The core alone: calls of four tenants batched into one GEMM: two name the provider's adapter
+    (rank 4; their rows apart in the batch), one its own (rank 8), one none; forward and backward;
+    each equals its call alone."""
+    from symbiont.base_executor.adapters import PROVIDER
+
     model = build_builtin(NAME)
     core = ExecutorCore(UnitTable(model), torch.float32, torch.device("cpu"), SchedulerConfig(max_wait_us=10**9))
     unit = "model.layers.1.self_attn.v_proj"
     w = model.get_submodule(unit).weight.detach()
-    deltas = {}
-    for tenant, r in ((1, 4), (2, 8)):
-        g = torch.Generator().manual_seed(tenant)
+    hosted = {}
+    for owner, r in ((PROVIDER, 4), (2, 8)):
+        g = torch.Generator().manual_seed(owner + 1)
         a, b = torch.randn(r, w.shape[1], generator=g), torch.randn(w.shape[0], r, generator=g)
         weight = pb.AdapterWeight(unit=unit, rank=r, dtype=dtype_enum(torch.float32), a=a.numpy().tobytes(), b=b.numpy().tobytes(), scale=0.5)
-        adapter = core.adapters.host(tenant, pb.HostAdapterRequest(name=f"t{tenant}", weights=[weight]))
-        deltas[tenant] = (adapter.id, a, b)
+        hosted[owner] = (core.adapters.host(owner, pb.HostAdapterRequest(name=f"a{owner}", weights=[weight])).id, a, b)
+    uses = {1: PROVIDER, 2: 2, 4: PROVIDER}  # tenant -> whose adapter it names (tenant 3: none)
 
     def calls(op):
         out = []
-        for tenant, tokens in ((1, 3), (2, 5), (3, 2)):
+        for tenant, tokens in ((1, 3), (2, 5), (3, 2), (4, 4)):
             u, in_shape, out_shape, _ = core.check(unit, op, dtype_enum(torch.float32), [tokens, w.shape[1 if op == pb.FORWARD else 0]])
             x = torch.randn(in_shape, generator=torch.Generator().manual_seed(10 + tenant))
-            delta = core.adapter_delta(tenant, deltas[tenant][0], u, op) if tenant in deltas else None
+            delta = core.adapter_delta(tenant, hosted[uses[tenant]][0], u, op) if tenant in uses else None
             out.append(Call(tenant=tenant, call_id=tenant, unit=u, op=op, x=x, out_shape=out_shape, latency=pb.TRAINING,
                             arrived=0.0, adapter=delta))
         return out
@@ -181,16 +184,16 @@ def test_one_batch_gives_each_call_its_own_adapter():
         for c in calls(op):
             core.submit(c)
         results = core.step(now=1e9, can_grow=False)
-        assert [r.call.tenant for r in results] == [1, 2, 3], "one batch of the three"
+        assert [r.call.tenant for r in results] == [1, 2, 3, 4], "one batch of the four"
         for r in results:
             x = r.call.x
             want = x @ w.t() if op == pb.FORWARD else x @ w
-            if r.call.tenant in deltas:
-                _, a, b = deltas[r.call.tenant]
+            if r.call.tenant in uses:
+                _, a, b = hosted[uses[r.call.tenant]]
                 want = want + ((x @ a.t()) @ b.t() * 0.5 if op == pb.FORWARD else (x * 0.5) @ b @ a)
             torch.testing.assert_close(r.y, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="id"):
-        core.adapter_delta(3, deltas[1][0], core.table.get(unit), pb.FORWARD)  # tenant 3 may not use tenant 1's
+        core.adapter_delta(3, hosted[2][0], core.table.get(unit), pb.FORWARD)  # tenant 3 may not use tenant 2's
 
 
 def test_a_grpc_tenant_hosts_and_names_its_adapter():
