@@ -86,8 +86,10 @@ class Adapter:
 
 
 class AdapterRegistry:
-    def __init__(self, table: UnitTable, device: torch.device):
-        self.table, self.device = table, device
+    def __init__(self, table: UnitTable, device: torch.device, max_tenant_bytes: int = 1 << 30):
+        """max_tenant_bytes: what one tenant's adapters may take of the executor's memory together
+        (the provider's are not counted)."""
+        self.table, self.device, self.max_tenant_bytes = table, device, max_tenant_bytes
         self._by_id: dict[int, Adapter] = {}
         self._by_name: dict[tuple[int, str], Adapter] = {}  # (owner, name)
         self._next = 1
@@ -111,6 +113,12 @@ class AdapterRegistry:
             raise AdapterError(pb.RESOURCE_EXHAUSTED, f"the executor hosts {MAX_ADAPTERS} adapters already")
         if not req.weights:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} has no weights")
+        if owner != PROVIDER:
+            held = sum(a.info().bytes for a in self._by_id.values() if a.owner == owner)
+            size = sum(len(w.a) + len(w.b) for w in req.weights)
+            if held + size > self.max_tenant_bytes:
+                raise AdapterError(pb.RESOURCE_EXHAUSTED, f"adapter {name!r} needs {size} bytes; this tenant's adapters hold "
+                                                          f"{held} of the {self.max_tenant_bytes} it may (--max-tenant-adapter-mb)")
         deltas = {}
         for w in req.weights:
             if w.unit in deltas:

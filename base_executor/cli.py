@@ -151,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         table.to(device, fuse_act=not args.no_fused_act)
     core = ExecutorCore(table, dtype, device, sched)
     core.tp = tp
+    core.adapters.max_tenant_bytes = int(args.max_tenant_adapter_mb * 2**20)
     if args.adapters:
         if shard is not None:
             raise SystemExit("--adapters: hosted adapters are not served by a sharded executor yet")
@@ -362,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "calls are answered RETRY_LATER with a hint when to retry (0: no limit)")
     s.add_argument("--adapters", default="", help="host the PEFT LoRA adapters in this directory (one per subdirectory, "
                    "named after it) for every tenant to name")
+    s.add_argument("--max-tenant-adapter-mb", type=float, default=1024.0,
+                   help="what one tenant's hosted adapters may take of the executor's memory together (MiB)")
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client)")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")

@@ -12,7 +12,7 @@ from symbiont.base_executor.core import ExecutorCore
 from symbiont.base_executor.models import build_builtin
 from symbiont.base_executor.scheduler import Call, SchedulerConfig
 from symbiont.client.transport import adapted_unit
-from symbiont.client.errors import InvalidCallError, ShapeMismatchError, UnknownUnitError
+from symbiont.client.errors import InvalidCallError, ResourceExhaustedError, ShapeMismatchError, UnknownUnitError
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.adapters import peft_weights
 from symbiont.proto.codec import dtype_enum
@@ -247,3 +247,17 @@ def test_a_same_gpu_tenant_with_a_hosted_adapter(dtype):
                     virt(x)
             with torch.no_grad():
                 torch.testing.assert_close(plain(x).logits, plain_ref(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tenant_over_its_adapter_memory_is_refused_and_carries_on():
+    with running_executor(NAME, "--max-tenant-adapter-mb", "0.01") as ex:  # 10 KiB: one adapter of these, not two
+        with connect(ex.url) as conn:
+            assert conn.host_adapter("first", lora_model(NAME, seed=1)).bytes == 7168
+            with pytest.raises(ResourceExhaustedError, match="--max-tenant-adapter-mb"):
+                conn.host_adapter("second", lora_model(NAME, seed=2))
+            assert [a.name for a in conn.adapters()] == ["first"]
+            virt = virtualize(build_builtin(NAME), conn, adapter="first")
+            with torch.no_grad():
+                assert virt(ids(1, 5)).logits.isfinite().all()
+        with connect(ex.url) as other:  # the limit is each tenant's own
+            other.host_adapter("mine", lora_model(NAME, seed=3))
