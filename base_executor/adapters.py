@@ -98,7 +98,7 @@ class AdapterRegistry:
         return len(self._by_id)
 
     def bytes(self) -> int:
-        return sum(a.info().bytes for a in self._by_id.values())
+        return sum(a.info().bytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
 
     # ---- adding and removing ----------------------------------------------------
 
