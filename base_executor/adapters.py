@@ -76,13 +76,15 @@ class Adapter:
     owner: int  # a tenant id, or PROVIDER
     deltas: dict[str, Delta]
 
+    @property
+    def nbytes(self) -> int:
+        """What its weights take in the executor's memory."""
+        return sum(t.numel() * t.element_size() for d in self.deltas.values() for t in (d.a, d.b))
+
     def info(self) -> pb.AdapterInfo:
         units = sorted(self.deltas)
-        return pb.AdapterInfo(
-            name=self.name, id=self.id, shared=self.owner == PROVIDER, units=units,
-            ranks=[self.deltas[u].a.shape[0] for u in units],
-            bytes=sum(t.numel() * t.element_size() for d in self.deltas.values() for t in (d.a, d.b)),
-        )
+        return pb.AdapterInfo(name=self.name, id=self.id, shared=self.owner == PROVIDER, units=units,
+                              ranks=[self.deltas[u].a.shape[0] for u in units], bytes=self.nbytes)
 
 
 class AdapterRegistry:
@@ -98,7 +100,7 @@ class AdapterRegistry:
         return len(self._by_id)
 
     def bytes(self) -> int:
-        return sum(a.info().bytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
+        return sum(a.nbytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
 
     # ---- adding and removing ----------------------------------------------------
 
@@ -114,7 +116,7 @@ class AdapterRegistry:
         if not req.weights:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} has no weights")
         if owner != PROVIDER:
-            held = sum(a.info().bytes for a in self._by_id.values() if a.owner == owner)
+            held = sum(a.nbytes for a in self._by_id.values() if a.owner == owner)
             size = sum(len(w.a) + len(w.b) for w in req.weights)
             if held + size > self.max_tenant_bytes:
                 raise AdapterError(pb.RESOURCE_EXHAUSTED, f"adapter {name!r} needs {size} bytes; this tenant's adapters hold "

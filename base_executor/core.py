@@ -153,10 +153,8 @@ class ExecutorCore:
 
     def adapter_delta(self, tenant: int, adapter: int, unit: Unit, op: int):
         """The hosted adapter's delta a call of `tenant` naming `adapter` (0: none) gets at `unit`."""
-        if not adapter:
+        if not adapter:  # (a sharded executor hosts none: serve and host_adapter refuse them there)
             return None
-        if self.tp is not None:
-            raise CallError(pb.INVALID_ARGUMENT, "hosted adapters are not served under --placement tensor yet")
         try:
             return self.adapters.delta(tenant, adapter, unit)
         except AdapterError as e:
@@ -214,8 +212,7 @@ class ExecutorCore:
                 if c.graphs is not None:
                     return [Result(c, c.graphs.run(c, exact))]
                 y = self._gemm(c.unit, c.op, c.x, exact, c.out)
-                if c.adapter is not None:
-                    c.adapter.add_to(c.op, c.x, y)
+                self._add_adapters(calls, c.x, y)
                 return [Result(c, y.view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = self._gemm(calls[0].unit, calls[0].op, x, exact)
@@ -234,18 +231,18 @@ class ExecutorCore:
     def _add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
         """Each call's hosted adapter on its own rows of a batch; the calls naming one adapter get it
         in one pass over their rows together (the provider's adapter named by many tenants)."""
-        rows: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        rows: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # id(delta) -> (delta, its calls' rows [a, b))
         start = 0
         for c in calls:
             if c.adapter is not None and c.tokens:
-                rows.setdefault(id(c.adapter), (c.adapter, []))[1].append(torch.arange(start, start + c.tokens, device=x.device))
+                rows.setdefault(id(c.adapter), (c.adapter, []))[1].append((start, start + c.tokens))
             start += c.tokens
-        for delta, parts in rows.values():
-            if len(parts) == 1:
-                a, b = int(parts[0][0]), int(parts[0][-1]) + 1
+        for delta, spans in rows.values():
+            if len(spans) == 1:
+                (a, b), = spans
                 delta.add_to(calls[0].op, x[a:b], y[a:b])
                 continue
-            idx = torch.cat(parts)
+            idx = torch.cat([torch.arange(a, b, device=x.device) for a, b in spans])
             ys = y.index_select(0, idx)
             delta.add_to(calls[0].op, x.index_select(0, idx), ys)
             y.index_copy_(0, idx, ys)
