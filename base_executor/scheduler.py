@@ -9,6 +9,10 @@ One queue per unit and op. When a queue is ready depends on the policy (Symbiosi
   every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks).
 - no-lockstep: at once; a batch holds only the calls that arrived together.
 
+Each tenant's calls run in the order it sent them: only a tenant's oldest queued call may join a
+batch (its next call's input may be computed from this one's output, on the GPU, behind the host's
+back), so a batch holds at most one call per tenant.
+
 Inference queues go first, except that a queue whose oldest call has waited `starve_us` goes
 before any younger one of the other class: neither class starves the other.
 
@@ -103,6 +107,7 @@ class Scheduler:
         self._inference: collections.Counter = collections.Counter()
         self._per_tenant: collections.Counter = collections.Counter()
         self._tenant_tokens: collections.Counter = collections.Counter()
+        self._order: dict[int, collections.deque[Call]] = {}  # each tenant's queued calls, oldest first
         self.queued_tokens = 0
         self.waits_us = {pb.TRAINING: collections.deque(maxlen=WAIT_WINDOW), pb.INFERENCE: collections.deque(maxlen=WAIT_WINDOW)}
         self._rate = 0.0  # tokens per second the queues drain at, smoothed (the retry hint)
@@ -135,6 +140,7 @@ class Scheduler:
         self._inference[key] += call.latency == pb.INFERENCE
         self._per_tenant[call.tenant] += 1
         self._tenant_tokens[call.tenant] += call.tokens
+        self._order.setdefault(call.tenant, collections.deque()).append(call)
         self.queued_tokens += call.tokens
 
     def pending(self) -> int:
@@ -166,28 +172,39 @@ class Scheduler:
         every one of them has a call queued, no call can join: nothing waits.
         """
         can_grow = can_grow and not (attached and len(self._per_tenant) >= attached)
-        best, best_rank = None, None
+        best, best_rank, best_ready = None, None, None
         starve = self.config.starve_us * 1e-6
+        heads = {order[0] for order in self._order.values()}  # the calls that may run now: each tenant's oldest
         for key, q in self._queues.items():
+            ready = [c for c in q if c in heads] if len(heads) < self.pending() else list(q)
+            if not ready:
+                continue
             due = (
                 not can_grow
                 or self._tokens[key] >= self.config.max_batch_tokens
-                or now - q[0].arrived >= self._wait_s(key)
-                or (self.config.policy == "lockstep" and len({c.tenant for c in q}) >= attached)
+                or now - ready[0].arrived >= self._wait_s(key)
+                or (self.config.policy == "lockstep" and len(ready) >= attached)
             )
             if due:
                 # inference first, unless a queue has waited past starve_us: then the oldest first
-                rank = (0 if self._inference[key] or now - q[0].arrived >= starve else 1, q[0].arrived)
+                rank = (0 if self._inference[key] or now - ready[0].arrived >= starve else 1, ready[0].arrived)
                 if best_rank is None or rank < best_rank:
-                    best, best_rank = key, rank
+                    best, best_rank, best_ready = key, rank, ready
         if best is None:
             return []
-        q = self._queues[best]
-        batch = [q.popleft()]
+        batch = [best_ready[0]]
         tokens = batch[0].tokens
-        while q and tokens + q[0].tokens <= self.config.max_batch_tokens:
-            tokens += q[0].tokens
-            batch.append(q.popleft())
+        for c in best_ready[1:]:
+            if tokens + c.tokens > self.config.max_batch_tokens:
+                break
+            tokens += c.tokens
+            batch.append(c)
+        q = self._queues[best]
+        if len(batch) == len(q):
+            q.clear()
+        else:
+            taken = set(batch)
+            self._queues[best] = q = collections.deque(c for c in q if c not in taken)
         for c in batch:
             self._forget(best, c)
             self.waits_us[c.latency].append((now - c.arrived) * 1e6)
@@ -205,8 +222,13 @@ class Scheduler:
         self.queued_tokens -= c.tokens
         self._per_tenant[c.tenant] -= 1
         self._tenant_tokens[c.tenant] -= c.tokens
+        order = self._order[c.tenant]
+        if order[0] is c:
+            order.popleft()
+        else:
+            order.remove(c)
         if self._per_tenant[c.tenant] == 0:
-            del self._per_tenant[c.tenant], self._tenant_tokens[c.tenant]
+            del self._per_tenant[c.tenant], self._tenant_tokens[c.tenant], self._order[c.tenant]
 
     def queued(self, tenant: int) -> int:
         """How many calls of `tenant` are queued."""

@@ -116,3 +116,21 @@ def test_stats_per_class_batches_and_waits(model):
     assert core.counters.flops == pytest.approx(2 * 10 * unit.in_features * unit.out_features + 2 * 2 * 64 * core.table.get(K).out_features)
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 500)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     assert torch.float32  # (the core's dtype in these tests)
+
+
+@pytest.mark.parametrize("policy", ["lockstep", "opportunistic", "no-lockstep"])
+def test_a_tenants_calls_run_in_the_order_it_sent_them(model, policy):
+    # tenant 1 sent a call at Q, then (its host running ahead of its GPU) one at K whose input may be
+    # computed from the first one's output; tenant 2 waits at K. K holds both tenants, but tenant 1's
+    # call there may not run before its call at Q: that would wait for an input never computed.
+    core = core_for(model, policy=policy, max_wait_us=0)
+    core.submit(call(core, 2, K, 3, t=0.0, seed=2))  # K's queue is the older one
+    core.submit(call(core, 1, Q, 3, t=0.05))
+    core.submit(call(core, 1, K, 3, t=0.1, seed=1))
+    first = core.step(now=0.2, can_grow=False, attached=2)
+    assert (1, K) not in [(r.call.tenant, r.call.unit.id) for r in first]
+    ran = [(r.call.tenant, r.call.unit.id) for r in first]
+    while core.scheduler.pending():
+        ran += [(r.call.tenant, r.call.unit.id) for r in core.step(now=0.3, can_grow=False, attached=2)]
+    assert ran.index((1, Q)) < ran.index((1, K)) and sorted(ran) == [(1, K), (1, Q), (2, K)]
+
