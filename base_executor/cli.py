@@ -81,6 +81,12 @@ def _serve(args: argparse.Namespace) -> int:
     name = local[0] if local else f"grpc-{os.getpid()}"  # (the data loop's hub; its same-host socket is unused)
     dtype = codec.DTYPE_BY_NAME[args.dtype]
     device = torch.device(args.device)
+    if args.policy == "lockstep" and device.type == "cuda" and not args.no_gpu_waits:
+        # Lockstep runs nearly every call in a batch on our main stream, behind other tenants'
+        # calls; a GPU wait for one tenant's input on a stream sharing a hardware queue with those
+        # batches stalled the fleet (S4's mix, 2026-11-26): under lockstep, inputs are waited for on the host.
+        args.no_gpu_waits = True
+        log.info("lockstep: calls wait for their inputs on the host (as --no-gpu-waits)")
     if device.type == "cuda" and not args.no_gpu_waits:
         # Loading a kernel at its first launch (CUDA's lazy loading) synchronises all our GPU work,
         # a stream that waits for a tenant's input included: one stalled tenant would stall every

@@ -339,6 +339,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             # an input the tenant's GPU makes only after that GEMM's output (else a synchronising
             # CUDA call of ours, run meanwhile, would wait forever)
             return False
+        if self.core.scheduler.config.policy == "lockstep":  # every attached tenant may join, however long it takes
+            return len(self.tenants) + len(self.remote) == 1
         return not any(self._may_join(o, t) for o in self.tenants.values())
 
     def _lane_may_serve(self, t: Tenant) -> bool:
