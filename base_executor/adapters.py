@@ -13,14 +13,23 @@ adapter held privately gives. Adapters are frozen: no call computes their gradie
 A tenant's adapters are seen by that tenant alone and dropped when it leaves; the provider's
 (`base-executor serve --adapters DIR`) are shared by every tenant. The registry checks every
 delta against the served unit (kind, widths, rank) before it keeps anything.
+
+Merged mode (VaLoRA's, for an adapter that dominates the traffic): the adapter is merged into
+copies of the units it adapts, W' = W + scale B A (computed in float32, rounded once to the served
+dtype, as PEFT's merge), and its calls there are a plain GEMM on W'. The served weights are never
+written, so every other call (private tenants, other adapters, training) computes exactly what it
+did before: no mixture correction is needed, at the cost of the adapted units' weights once
+(`Merged.nbytes`). `MergeOrchestrator` chooses the adapter from the traffic.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 
 import torch
 
-from symbiont.base_executor.catalog import CONV1D, LINEAR, UnitTable
+from symbiont.base_executor.catalog import CONV1D, LINEAR, Unit, UnitTable
 from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
 
@@ -87,6 +96,33 @@ class Adapter:
                               ranks=[self.deltas[u].a.shape[0] for u in units], bytes=self.nbytes)
 
 
+@dataclasses.dataclass
+class Merged:
+    """An adapter merged into copies of the units it adapts."""
+
+    adapter: Adapter
+    epoch: int  # one per merge: graphs of an earlier merge's copies never match a later one's calls
+    units: dict[str, Unit]  # by the called unit's id (a fused group, or a unit called alone)
+    nbytes: int  # the copies' memory
+    switch_s: float  # how long making them took
+
+
+def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]]) -> Unit | None:
+    """A copy of `unit` with scale B A added to the output rows [a, b) of each part (None: no part)."""
+    if not parts:
+        return None
+    weight = unit.weight.clone()
+    rows = weight if unit.kind == LINEAR else weight.t()  # (a view: [out, in] either way)
+    for a, b, delta in parts:
+        term = (delta.b.float() @ delta.a.float()) * delta.scale  # [b - a, in]
+        rows[a:b] = (rows[a:b].float() + term.to(rows.device)).to(rows.dtype)
+    base = unit.weight.storage_offset()
+    members = tuple(dataclasses.replace(m, weight=weight.as_strided(m.weight.shape, m.weight.stride(),
+                                                                     m.weight.storage_offset() - base))
+                    for m in unit.members)
+    return dataclasses.replace(unit, weight=weight, members=members)
+
+
 class AdapterRegistry:
     def __init__(self, table: UnitTable, device: torch.device, max_tenant_bytes: int = 1 << 30):
         """max_tenant_bytes: what one tenant's adapters may take of the executor's memory together
@@ -95,9 +131,14 @@ class AdapterRegistry:
         self._by_id: dict[int, Adapter] = {}
         self._by_name: dict[tuple[int, str], Adapter] = {}  # (owner, name)
         self._next = 1
+        self.merged: Merged | None = None
+        self._epoch = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def get(self, adapter_id: int) -> Adapter | None:
+        return self._by_id.get(adapter_id)
 
     def bytes(self) -> int:
         return sum(a.nbytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
@@ -176,6 +217,39 @@ class AdapterRegistry:
     def _drop(self, adapter: Adapter) -> None:
         del self._by_id[adapter.id]
         del self._by_name[(adapter.owner, adapter.name)]
+        if self.merged is not None and self.merged.adapter is adapter:
+            self.merged = None  # (its calls are gone with it; the transports drop the graphs of the copies)
+
+    # ---- merged mode --------------------------------------------------------------------
+
+    def merge(self, adapter_id: int) -> Merged:
+        """Merges adapter `adapter_id` into copies of the units it adapts (unmerging any other);
+        its calls at those units get the copy from then on. The served weights stay as they are."""
+        adapter = self._by_id[adapter_id]
+        t0 = time.perf_counter()
+        units: dict[str, Unit] = {}
+        for unit in self.table.units.values():  # groups first: a member called alone reads its group's copy
+            if unit.members and unit.kind in (LINEAR, CONV1D):
+                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], adapter.deltas[m.id]) for m in unit.members if m.id in adapter.deltas])
+                if merged is not None:
+                    units[unit.id] = merged
+                    units.update((m.id, m) for m in merged.members if m.id in adapter.deltas)
+        for unit_id, delta in adapter.deltas.items():
+            unit = self.table.get(unit_id)
+            if unit_id not in units and unit is not None:
+                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
+        self._epoch += 1
+        nbytes = sum(u.weight.numel() * u.weight.element_size() for u in units.values() if not u.group or u.group not in units)
+        self.merged = Merged(adapter, self._epoch, units, nbytes, time.perf_counter() - t0)
+        return self.merged
+
+    def unmerge(self) -> Merged | None:
+        """Back to every adapter computed per call; the merged copies go (returned, for the
+        transports to drop what refers to them)."""
+        merged, self.merged = self.merged, None
+        return merged
 
     # ---- using ----------------------------------------------------------------------
 
@@ -184,6 +258,19 @@ class AdapterRegistry:
         if name and not found:
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter named {name!r} is hosted for this tenant")
         return found
+
+    def resolve(self, owner: int, adapter_id: int, unit: Unit) -> tuple[Unit, object, int]:
+        """What a call of `owner` naming `adapter_id` (0: none) at `unit` runs: (the unit to
+        compute, the delta to add or None, the merge epoch when the unit is a merged copy, else 0)."""
+        if not adapter_id:
+            return unit, None, 0
+        delta = self.delta(owner, adapter_id, unit)  # (checks that owner may use it)
+        merged = self.merged
+        if merged is not None and merged.adapter.id == adapter_id:
+            copy = merged.units.get(unit.id)
+            if copy is not None:
+                return copy, None, merged.epoch
+        return unit, delta, 0
 
     def delta(self, owner: int, adapter_id: int, unit):
         """What a call of `owner` naming adapter `adapter_id` at `unit` gets: the unit's Delta, or
@@ -199,3 +286,73 @@ class AdapterRegistry:
         if found is None:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {adapter.name!r} has nothing for unit {unit.id!r}")
         return found
+
+
+def merge_bytes(table: UnitTable, adapter: Adapter) -> int:
+    """What merging `adapter` would take: the weights of the units it adapts (a fused group's whole)."""
+    groups, total = set(), 0
+    for unit_id in adapter.deltas:
+        unit = table.get(unit_id)
+        if unit is None:
+            continue
+        owner = table.get(unit.group) if unit.group else None
+        if owner is not None:
+            if owner.id not in groups:
+                groups.add(owner.id)
+                total += owner.weight.numel() * owner.weight.element_size()
+        else:
+            total += unit.weight.numel() * unit.weight.element_size()
+    return total
+
+
+class MergeOrchestrator:
+    """Chooses which hosted adapter to merge, from the tokens the calls naming each carried.
+
+    Every `window_s`: the adapter with the most tokens is merged when its share of all the tokens of
+    calls that named an adapter is at least `share` and the window saw `min_tokens` of them; the
+    merged adapter is unmerged when its share falls below `share / 2` (hysteresis: a share near the
+    threshold does not flap), or replaced by another that reaches `share`. A merge that would take
+    more than `max_bytes` is not made. VaLoRA's orchestrator weighs merged mode against the calls
+    it starves (credits); merged copies starve no one (every other call runs as before), so the
+    choice is only whether an adapter's traffic is worth its copies' memory and switch."""
+
+    def __init__(self, share: float = 0.5, window_s: float = 2.0, min_tokens: int = 256, max_bytes: int = 4 << 30):
+        if not 0 < share <= 1:
+            raise ValueError(f"merge share must be in (0, 1], got {share}")
+        if window_s <= 0:
+            raise ValueError(f"merge window must be > 0 s, got {window_s}")
+        self.share, self.window_s, self.min_tokens, self.max_bytes = share, window_s, min_tokens, max_bytes
+        self.tokens: collections.Counter = collections.Counter()  # this window's, by adapter id
+        self.window_start: float | None = None
+        self.switches = 0
+        self.last_switch_s = 0.0
+        self.merged_tokens = 0  # tokens of calls served by merged copies, ever
+        self.adapted_tokens = 0  # tokens of calls that named an adapter, ever
+
+    def note(self, adapter_id: int, tokens: int, merged: bool = False) -> None:
+        self.tokens[adapter_id] += tokens
+        self.adapted_tokens += tokens
+        self.merged_tokens += tokens if merged else 0
+
+    def due(self, now: float) -> bool:
+        if self.window_start is None:
+            self.window_start = now
+        return now - self.window_start >= self.window_s
+
+    def decide(self, now: float, merged_id: int, fits) -> int | None:
+        """At the end of a window: the adapter id to merge (0: unmerge), or None for no change.
+        fits(adapter_id): whether its copies may be made (max_bytes, and that it is still hosted)."""
+        counts, self.tokens, self.window_start = self.tokens, collections.Counter(), now
+        total = sum(counts.values())
+        current = counts.get(merged_id, 0) / total if total else 0.0
+        if total >= self.min_tokens:
+            for top, n in counts.most_common(2):
+                if top != merged_id and n / total >= self.share and n > counts.get(merged_id, 0) and fits(top):
+                    return top
+        if merged_id and current < self.share / 2:
+            return 0
+        return None
+
+    def switched(self, seconds: float) -> None:
+        self.switches += 1
+        self.last_switch_s = seconds

@@ -99,6 +99,7 @@ class ExecutorCore:
         self.counters = Counters()
         self.tp = None  # a TensorParallel (--placement tensor): each batch runs over every rank
         self.adapters = AdapterRegistry(table, device)
+        self.orchestrator = None  # an adapters.MergeOrchestrator (serve --merge auto)
 
     def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp is not None:
@@ -151,12 +152,12 @@ class ExecutorCore:
                 f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{int(ids.min())}, {int(ids.max())}]",
             )
 
-    def adapter_delta(self, tenant: int, adapter: int, unit: Unit, op: int):
-        """The hosted adapter's delta a call of `tenant` naming `adapter` (0: none) gets at `unit`."""
-        if not adapter:  # (a sharded executor hosts none: serve and host_adapter refuse them there)
-            return None
+    def adapted(self, tenant: int, adapter: int, unit: Unit) -> tuple[Unit, object, int]:
+        """What a call of `tenant` naming hosted adapter `adapter` (0: none) at `unit` computes:
+        (the unit, or the adapter's merged copy of it; the delta to add, or None; the merge's epoch
+        when it is a merged copy, else 0). A sharded executor hosts none (serve refuses them)."""
         try:
-            return self.adapters.delta(tenant, adapter, unit)
+            return self.adapters.resolve(tenant, adapter, unit)
         except AdapterError as e:
             raise CallError(e.code, str(e)) from None
 
@@ -178,7 +179,13 @@ class ExecutorCore:
         calls = self.scheduler.pop_batch(now, can_grow, attached)
         if not calls:
             return []
-        groups = [[c] for c in calls] if self.scheduler.config.exact else [calls]
+        if self.scheduler.config.exact:
+            groups = [[c] for c in calls]
+        else:  # (calls of a merged adapter compute with its copy of the unit: a GEMM of their own)
+            by_unit: dict[int, list[Call]] = {}
+            for c in calls:
+                by_unit.setdefault(id(c.unit), []).append(c)
+            groups = list(by_unit.values())
         results = [r for group in groups for r in self._run(group)]
         served = [r.call for r in results if r.error is None]
         if served:
@@ -261,7 +268,10 @@ class ExecutorCore:
         for c in calls:
             self.counters.per_tenant_calls[c.tenant] += 1
             self.counters.per_tenant_tokens[c.tenant] += c.tokens
-            self.counters.adapter_calls += c.adapter is not None
+            if c.adapter_id:
+                self.counters.adapter_calls += 1
+                if self.orchestrator is not None:
+                    self.orchestrator.note(c.adapter_id, c.tokens, bool(c.merge_epoch))
 
     def count(self, unit: Unit, op: int, calls: int, batches: int, tokens: int, latency: int = pb.TRAINING) -> None:
         """Counts calls served of one unit, `batches` batches of calls // batches calls each (also

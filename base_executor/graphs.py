@@ -41,7 +41,7 @@ class _Entry:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.y: torch.Tensor | None = None  # the result in the mailbox, in the call's output shape
         self.failed = False
-        self.adapter = None  # the hosted adapter's delta its graph reads: kept while the graph lives
+        self.adapter = None  # the hosted adapter's delta (or merged unit) its graph reads: kept while the graph lives
 
 
 def _compute(call: Call, exact: bool) -> torch.Tensor:
@@ -66,6 +66,15 @@ class CallGraphs:
         self._pool = None  # torch.cuda.MemPool (or a graph pool handle before torch 2.5)
         self._entries: dict[object, _Entry] = {}
         self.on_drop = None  # called with a key whose graph goes (beyond MAX_GRAPHS), before it goes
+
+    def forget(self, predicate) -> int:
+        """Drops the graphs whose key matches (our GPU idle: no replay of theirs is queued); how many."""
+        gone = [key for key in self._entries if predicate(key)]
+        for key in gone:
+            if self.on_drop is not None:
+                self.on_drop(key)
+            del self._entries[key]
+        return len(gone)
 
     def graph_of(self, key) -> torch.cuda.CUDAGraph | None:
         """The captured graph of `key`, if any: it lives until on_drop(key) or close()."""
@@ -99,7 +108,7 @@ class CallGraphs:
                             call.unit.id, pb.Op.Name(call.op), type(ex).__name__, ex)
             else:
                 e.y = call.out.view(call.out_shape)
-                e.adapter = call.adapter
+                e.adapter = call.adapter if call.adapter is not None else call.unit if call.merge_epoch else None
                 e.graph.replay()
                 self.counters.graph_captures += 1
                 self.counters.graph_replays += 1

@@ -84,7 +84,9 @@ class Call:
     out: torch.Tensor | None = None  # [tokens, d_out]: where a call run alone may write its result (no copy)
     graphs: object = None  # graphs.CallGraphs that may run it when alone (its out set), and its key there
     graph_key: object = None
-    adapter: object = None  # adapters.Delta of the hosted adapter the call names (never graphed)
+    adapter: object = None  # adapters.Delta of the hosted adapter the call names, added to its result
+    adapter_id: int = 0  # the hosted adapter it names (0: none)
+    merge_epoch: int = 0  # its unit is that adapter's merged copy, of this merge (adapters.Merged)
 
     @property
     def tokens(self) -> int:

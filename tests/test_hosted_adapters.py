@@ -175,9 +175,10 @@ def test_one_batch_gives_each_call_its_own_adapter():
         for tenant, tokens in ((1, 3), (2, 5), (3, 2), (4, 4)):
             u, in_shape, out_shape, _ = core.check(unit, op, dtype_enum(torch.float32), [tokens, w.shape[1 if op == pb.FORWARD else 0]])
             x = torch.randn(in_shape, generator=torch.Generator().manual_seed(10 + tenant))
-            delta = core.adapter_delta(tenant, hosted[uses[tenant]][0], u, op) if tenant in uses else None
+            adapter = hosted[uses[tenant]][0] if tenant in uses else 0
+            u, delta, _ = core.adapted(tenant, adapter, u)
             out.append(Call(tenant=tenant, call_id=tenant, unit=u, op=op, x=x, out_shape=out_shape, latency=pb.TRAINING,
-                            arrived=0.0, adapter=delta))
+                            arrived=0.0, adapter=delta, adapter_id=adapter))
         return out
 
     for op in (pb.FORWARD, pb.BACKWARD):
@@ -193,7 +194,7 @@ def test_one_batch_gives_each_call_its_own_adapter():
                 want = want + ((x @ a.t()) @ b.t() * 0.5 if op == pb.FORWARD else (x * 0.5) @ b @ a)
             torch.testing.assert_close(r.y, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(Exception, match="id"):
-        core.adapter_delta(3, hosted[2][0], core.table.get(unit), pb.FORWARD)  # tenant 3 may not use tenant 2's
+        core.adapted(3, hosted[2][0], core.table.get(unit))  # tenant 3 may not use tenant 2's
 
 
 def test_a_grpc_tenant_hosts_and_names_its_adapter():
@@ -261,3 +262,89 @@ def test_a_tenant_over_its_adapter_memory_is_refused_and_carries_on():
                 assert virt(ids(1, 5)).logits.isfinite().all()
         with connect(ex.url) as other:  # the limit is each tenant's own
             other.host_adapter("mine", lora_model(NAME, seed=3))
+
+
+def _host_qv(core, owner, name, seed, rank=4, scale=0.5):
+    """An adapter on every layer's q_proj and v_proj (members of the q,k,v group)."""
+    weights, want = [], {}
+    g = torch.Generator().manual_seed(seed)
+    for uid, unit in core.table.units.items():
+        if uid.endswith(("q_proj", "v_proj")) and unit.group:
+            a = torch.randn(rank, unit.in_features, generator=g) * 0.1
+            b = torch.randn(unit.out_features, rank, generator=g) * 0.1
+            weights.append(pb.AdapterWeight(unit=uid, rank=rank, dtype=dtype_enum(torch.float32), a=a.numpy().tobytes(),
+                                            b=b.numpy().tobytes(), scale=scale))
+            want[uid] = (a, b)
+    return core.adapters.host(owner, pb.HostAdapterRequest(name=name, weights=weights)), want
+
+
+def test_merged_copies_serve_their_adapter_and_change_no_one_else():
+    """Merged mode on the core: the merged adapter's calls at the q,k,v group (and at q_proj called
+    alone) compute on its merged copy, equal to the per-call delta within float32 rounding; a
+    private call and another adapter's call batched with them are bitwise what they were before the
+    merge (batch-invariant mode: without it any batch's rows move with its size); the served weights
+    are never written; unmerging goes back to per-call deltas."""
+    model = build_builtin(NAME)
+    core = ExecutorCore(UnitTable(model), torch.float32, torch.device("cpu"), SchedulerConfig(max_wait_us=10**9, exact=True))
+    hot, _ = _host_qv(core, 1, "hot", seed=1)
+    other, _ = _host_qv(core, 2, "other", seed=2, rank=8)
+    group = next(u for u in core.table.units.values() if u.members and u.id.endswith("{q_proj,k_proj,v_proj}"))
+    q = group.members[0]
+    served = {uid: u.weight.clone() for uid, u in core.table.units.items() if u.weight is not None}
+
+    def batch(unit, op, tenants):
+        calls = []
+        for tenant, adapter in tenants:
+            width = unit.in_features if op == pb.FORWARD else unit.out_features
+            x = torch.randn(3, width, generator=torch.Generator().manual_seed(tenant))
+            u, delta, epoch = core.adapted(tenant, adapter, unit)
+            calls.append(Call(tenant=tenant, call_id=tenant, unit=u, op=op, x=x, out_shape=(3, unit.out_features if op == pb.FORWARD else unit.in_features),
+                              latency=pb.INFERENCE, arrived=0.0, adapter=delta, adapter_id=adapter, merge_epoch=epoch))
+            core.submit(calls[-1])
+        results = core.step(now=1e9, can_grow=False)
+        assert sorted(r.call.tenant for r in results) == sorted(t for t, _ in tenants)
+        return {r.call.tenant: r.y.clone() for r in results}
+
+    tenants = [(1, hot.id), (2, other.id), (3, 0)]
+    before = {(u.id, op): batch(u, op, tenants) for u in (group, q) for op in (pb.FORWARD, pb.BACKWARD)}
+    merged = core.adapters.merge(hot.id)
+    assert merged.nbytes == sum(u.weight.numel() * 4 for u in core.table.units.values() if u.members and "q_proj" in u.id and u.kind == "linear")
+    assert core.adapted(1, hot.id, group)[2] == merged.epoch and core.adapted(1, hot.id, q)[1] is None
+    for (uid, op), want in before.items():
+        got = batch(core.table.get(uid), op, tenants)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # the merged copy
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])  # everyone else: bitwise
+    assert all(torch.equal(core.table.get(uid).weight, w) for uid, w in served.items())
+    core.adapters.unmerge()
+    assert core.adapted(1, hot.id, group)[2] == 0
+    for (uid, op), want in before.items():
+        got = batch(core.table.get(uid), op, tenants)
+        assert all(torch.equal(got[t], want[t]) for t in (1, 2, 3))
+    core.adapters.merge(hot.id)
+    core.adapters.remove(1, "hot")  # a merged adapter removed is unmerged with it
+    assert core.adapters.merged is None
+
+
+def test_the_orchestrator_merges_a_dominant_adapter_and_lets_it_go():
+    from symbiont.base_executor.adapters import MergeOrchestrator
+
+    o = MergeOrchestrator(share=0.5, window_s=1.0, min_tokens=100)
+    fits = lambda a: a != 9  # noqa: E731 - adapter 9's copies would not fit
+    assert not o.due(0.0) and not o.due(0.5) and o.due(1.0)
+    for adapter, n in ((1, 70), (2, 20), (3, 10)):
+        o.note(adapter, n)
+    assert o.decide(1.0, merged_id=0, fits=fits) == 1  # 70% of the adapted tokens
+    o.note(1, 40), o.note(2, 30), o.note(3, 30)
+    assert o.decide(2.0, merged_id=1, fits=fits) is None  # 40%: above half the threshold, it stays
+    o.note(1, 20), o.note(2, 80)
+    assert o.decide(3.0, merged_id=1, fits=fits) == 2  # another took over
+    o.note(2, 10), o.note(3, 90)
+    assert o.decide(4.0, merged_id=2, fits=fits) == 3
+    o.note(3, 20), o.note(1, 40), o.note(2, 40)
+    assert o.decide(5.0, merged_id=3, fits=fits) == 0  # no one dominates: unmerge
+    o.note(9, 100)
+    assert o.decide(6.0, merged_id=0, fits=fits) is None  # too big to merge
+    o.note(1, 60)
+    assert o.decide(7.0, merged_id=0, fits=fits) is None  # too few tokens to judge
+    with pytest.raises(ValueError, match="share"):
+        MergeOrchestrator(share=0)

@@ -302,8 +302,9 @@ class GrpcServer:
             raise CallError(pb.INVALID_ARGUMENT, f"payload of {e} (shape {list(req.shape)})") from None
         if unit.kind == "embedding":
             core.check_ids(unit, x)
-        return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape,
-                    latency=req.latency, arrived=0.0, adapter=core.adapter_delta(t.id, req.adapter, unit, req.op))
+        unit, adapter, epoch = core.adapted(t.id, req.adapter, unit)
+        return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape, latency=req.latency,
+                    arrived=0.0, adapter=adapter, adapter_id=req.adapter, merge_epoch=epoch)
 
 
 def _resolve(future: asyncio.Future, value) -> None:

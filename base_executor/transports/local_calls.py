@@ -45,6 +45,7 @@ class _Told:
 
 
 ADAPTED = object()  # the first element of the graph key of a call that names a hosted adapter
+MERGED = object()  # ... of a call that names the merged adapter at a unit it has a copy of (epoch, adapter, key)
 
 
 class LocalCalls:
@@ -68,8 +69,10 @@ class LocalCalls:
                 graphs = self._graphs(t.areas, own=False)  # on the data loop's stream, unless _run_waiting moves it
         if unit.kind == "embedding":
             self.core.check_ids(unit, x)
-        adapter = self.core.adapter_delta(t.id, req.adapter, unit, req.op)
-        if adapter is not None:
+        unit, adapter, epoch = self.core.adapted(t.id, req.adapter, unit)
+        if epoch:
+            key = (MERGED, epoch, req.adapter, key)  # (its graph reads the merged copy's weight)
+        elif adapter is not None:
             key = (ADAPTED, req.adapter, key)  # (its graph holds the adapter's delta: graphs.py)
         return Call(
             tenant=t.id,
@@ -85,6 +88,8 @@ class LocalCalls:
             graphs=graphs,
             graph_key=key,
             adapter=adapter,
+            adapter_id=req.adapter,
+            merge_epoch=epoch,
         )
 
     def _graphs(self, areas, own: bool):
@@ -127,7 +132,7 @@ class LocalCalls:
         reply.ClearField("call_id")
         areas.lane_keys[call.graph_key] = header
         areas.lane.learn(header, int(graph.raw_cuda_graph_exec()), reply.SerializeToString(), len(areas.lane_units))
-        areas.lane_units.append((call.unit, call.op, call.tokens, call.latency, t.id))
+        areas.lane_units.append((call.unit, call.op, call.tokens, call.latency, t.id, call.adapter_id, call.merge_epoch))
         if call.tokens < self.config.solo_tokens or not self.config.solo_tokens:
             areas.lane_small = True  # it knows a call others could join: it serves only while t is alone
 
@@ -135,6 +140,23 @@ class LocalCalls:
         header = areas.lane_keys.pop(key, None)
         if header is not None:
             areas.lane.forget(header)
+
+    def _forget_merged(self) -> None:
+        """After a merge switch (caller holds the lock, our GPU idle): every tenant's graphs and
+        lanes forget the calls of merged copies and of the adapter now merged, which are computed
+        another way from now on."""
+        merged = self.core.adapters.merged
+        now = merged.adapter.id if merged is not None else 0
+
+        def stale(key) -> bool:
+            return isinstance(key, tuple) and bool(key) and (key[0] is MERGED or (key[0] is ADAPTED and key[1] == now))
+
+        for t in self.tenants.values():
+            for graphs in (t.areas.graphs, t.areas.own_graphs):
+                if graphs is not None:
+                    graphs.forget(stale)  # (on_drop unlearns the lane's header of each)
+            for key in [k for k in t.areas.lane_keys if stale(k)]:
+                self._unlearn(t.areas, key)
 
     def _unlearn_adapter(self, owner: int, adapter: int) -> None:
         """The lane of tenant `owner` forgets the calls naming `adapter` (removed): they go to
@@ -162,10 +184,14 @@ class LocalCalls:
             return
         k = self.core.counters
         for index, n in areas.lane.take_counts():
-            unit, op, tokens, latency, tenant = areas.lane_units[index]
+            unit, op, tokens, latency, tenant, adapter, epoch = areas.lane_units[index]
             self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
             k.per_tenant_calls[tenant] += n
             k.per_tenant_tokens[tenant] += n * tokens
+            if adapter:
+                k.adapter_calls += n
+                if self.core.orchestrator is not None:
+                    self.core.orchestrator.note(adapter, n * tokens, bool(epoch))
             k.graph_replays += n
             k.native_calls += n
 
