@@ -132,6 +132,7 @@ class AdapterRegistry:
         self._by_name: dict[tuple[int, str], Adapter] = {}  # (owner, name)
         self._next = 1
         self.merged: Merged | None = None
+        self.dropped_merge = False  # the merged adapter was removed: its copies' graphs are still to drop
         self._epoch = 0
 
     def __len__(self) -> int:
@@ -218,7 +219,8 @@ class AdapterRegistry:
         del self._by_id[adapter.id]
         del self._by_name[(adapter.owner, adapter.name)]
         if self.merged is not None and self.merged.adapter is adapter:
-            self.merged = None  # (its calls are gone with it; the transports drop the graphs of the copies)
+            self.merged = None
+            self.dropped_merge = True  # (the data loop drops what refers to its copies: local_calls._orchestrate)
 
     # ---- merged mode --------------------------------------------------------------------
 

@@ -162,6 +162,17 @@ def _serve(args: argparse.Namespace) -> int:
         if shard is not None:
             raise SystemExit("--adapters: hosted adapters are not served by a sharded executor yet")
         _host_provider_adapters(core, args.adapters, log)
+    if args.merge == "auto":
+        if shard is not None:
+            raise SystemExit("--merge auto: hosted adapters are not served by a sharded executor yet")
+        from symbiont.base_executor.adapters import MergeOrchestrator
+
+        try:
+            core.orchestrator = MergeOrchestrator(args.merge_share, args.merge_window_s, max_bytes=int(args.merge_max_mb * 2**20))
+        except ValueError as e:
+            raise SystemExit(f"--merge auto: {e}") from None
+        log.info("merged mode: auto (an adapter with %.0f%% of the adapted tokens over %.1f s is merged, copies up to %.0f MiB)",
+                 args.merge_share * 100, args.merge_window_s, args.merge_max_mb)
     server = LocalServer(core, catalog, skeleton, server_config)
     log.info(
         "model %s: %d units, %.1f M frozen parameters%s, %s on %s, loaded in %.1f s",
@@ -371,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "named after it) for every tenant to name")
     s.add_argument("--max-tenant-adapter-mb", type=float, default=1024.0,
                    help="what one tenant's hosted adapters may take of the executor's memory together (MiB)")
+    s.add_argument("--merge", default="off", choices=["off", "auto"], help="hosted adapters: auto merges the adapter that "
+                   "dominates the traffic into copies of its units, so its calls are a plain GEMM (the served weights and "
+                   "everyone else's results stay as they are; its own results move by the merge's rounding)")
+    s.add_argument("--merge-share", type=float, default=0.5, help="--merge auto: the share of the adapted tokens over a "
+                   "window at which an adapter is merged (unmerged below half of it)")
+    s.add_argument("--merge-window-s", type=float, default=2.0, help="--merge auto: how often the choice is made")
+    s.add_argument("--merge-max-mb", type=float, default=4096.0, help="--merge auto: the most the merged copies may take")
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client)")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")

@@ -152,6 +152,15 @@ class ExecutorCore:
                 f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{int(ids.min())}, {int(ids.max())}]",
             )
 
+    def merge_stats(self) -> dict:
+        """StatsReply's merged-mode fields."""
+        o, merged = self.orchestrator, self.adapters.merged
+        if o is None:
+            return {}
+        return dict(merged_adapter=merged.adapter.name if merged is not None else "", merge_switches=o.switches,
+                    merge_switch_ms=o.last_switch_s * 1e3, merged_bytes=merged.nbytes if merged is not None else 0,
+                    merged_tokens=o.merged_tokens)
+
     def adapted(self, tenant: int, adapter: int, unit: Unit) -> tuple[Unit, object, int]:
         """What a call of `tenant` naming hosted adapter `adapter` (0: none) at `unit` computes:
         (the unit, or the adapter's merged copy of it; the delta to add, or None; the merge's epoch

@@ -48,6 +48,10 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
         f"{now.calls / max(now.batches, 1):.2f} calls per batch | hosted adapters {now.hosted_adapters} "
         f"({now.adapter_bytes / 2**20:.1f} MiB), {now.adapter_calls} calls named one",
     ]
+    if now.merge_switches or now.merged_adapter:
+        lines.append(f"merged adapter {now.merged_adapter or '-'} ({now.merged_bytes / 2**20:.1f} MiB of copies) | "
+                     f"{now.merge_switches} switches, the last {now.merge_switch_ms:.1f} ms | "
+                     f"{now.merged_tokens} tokens served merged")
     if rate is not None:
         lines.append(
             f"now: {rate(now.calls, before.calls):.0f} calls/s, {rate(now.tokens, before.tokens):.0f} tokens/s, "
@@ -122,6 +126,9 @@ class StatsCollector:
         yield gauge("queued_tokens", "tokens in the queues now", s.queued_tokens)
         yield gauge("hosted_adapters", "LoRA adapters the executor holds", s.hosted_adapters)
         yield counter("adapter_calls", "calls that named a hosted adapter", s.adapter_calls)
+        yield counter("merge_switches", "hosted adapters merged or unmerged (serve --merge auto)", s.merge_switches)
+        yield gauge("merged_bytes", "the merged adapter's copies of its units", s.merged_bytes)
+        yield counter("merged_tokens", "tokens of calls served by a merged adapter's copies", s.merged_tokens)
         yield gauge("mailbox_bytes", "tenant mailboxes not yet freed", s.mailbox_bytes)
         yield gauge("gpu_allocated_bytes", "the executor's GPU memory, torch's allocator", s.gpu_allocated_bytes)
         yield gauge("host_private_bytes", "the executor's private host memory", s.rss_anon_bytes)

@@ -348,3 +348,36 @@ def test_the_orchestrator_merges_a_dominant_adapter_and_lets_it_go():
     assert o.decide(7.0, merged_id=0, fits=fits) is None  # too few tokens to judge
     with pytest.raises(ValueError, match="share"):
         MergeOrchestrator(share=0)
+
+
+def test_serve_merge_auto_merges_the_busy_adapter_and_no_one_else_moves():
+    """A real executor with `--merge auto`: while one tenant's hosted adapter carries all the adapted
+    traffic it is merged (stats say so) and its logits stay within float32 rounding of the private
+    PEFT model's; a tenant with a private adapter gets bitwise the logits it got before the merge;
+    when the adapter's traffic stops it is unmerged."""
+    import time
+
+    ref = lora_model(NAME, seed=3).eval()
+    x = ids(2, 11)
+    with running_executor(NAME, "--merge", "auto", "--merge-window-s", "0.3") as ex, connect(ex.url) as conn:
+        private = virtualize(lora_model(NAME, seed=4), conn)
+        with torch.no_grad():
+            before = private(x).logits
+        conn.host_adapter("hot", ref)
+        hot = virtualize(build_builtin(NAME), conn, adapter="hot")
+        deadline = time.monotonic() + 30
+        with torch.no_grad():
+            while conn.stats().merged_adapter != "hot":
+                assert time.monotonic() < deadline, f"never merged: {conn.stats()}"
+                hot(x)
+            torch.testing.assert_close(hot(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(private(x).logits, before)
+        s = conn.stats()
+        assert s.merge_switches >= 1 and s.merged_bytes > 0 and s.merged_tokens > 0
+        while conn.stats().merged_adapter:  # only private calls now: nothing to merge
+            assert time.monotonic() < deadline + 30, f"never unmerged: {conn.stats()}"
+            with torch.no_grad():
+                private(x)
+            time.sleep(0.05)
+        with torch.no_grad():
+            torch.testing.assert_close(hot(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)

@@ -203,6 +203,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             if now >= next_liveness:
                 self._check_liveness()
                 next_liveness = now + self.config.liveness_interval_s
+            orchestrator = self.core.orchestrator
+            if orchestrator is not None and (orchestrator.due(now) or self.core.adapters.dropped_merge):
+                self._orchestrate(now)
             if ran or got:
                 continue
             deadline = self.core.scheduler.next_deadline()

@@ -9,6 +9,9 @@ import dataclasses
 import logging
 import time
 
+import torch
+
+from symbiont.base_executor.adapters import merge_bytes
 from symbiont.base_executor.core import CallError, Result
 from symbiont.base_executor.graphs import CallGraphs
 from symbiont.base_executor.scheduler import Call
@@ -140,6 +143,37 @@ class LocalCalls:
         header = areas.lane_keys.pop(key, None)
         if header is not None:
             areas.lane.forget(header)
+
+    def _orchestrate(self, now: float) -> None:
+        """Data loop, between batches, at the end of a merge window (serve --merge auto): merges,
+        unmerges or switches the merged adapter as the orchestrator decides. The switch waits until
+        no stream of ours waits for a tenant's input (it synchronises our GPU: no replay still
+        queued may read a copy that goes)."""
+        registry, orchestrator = self.core.adapters, self.core.orchestrator
+        self._fold_lanes()  # (the lanes' calls count too)
+        target = None
+        if orchestrator.due(now):
+            merged = registry.merged
+
+            def fits(adapter_id: int) -> bool:
+                adapter = registry.get(adapter_id)
+                return adapter is not None and merge_bytes(self.core.table, adapter) <= orchestrator.max_bytes
+
+            target = orchestrator.decide(now, merged.adapter.id if merged is not None else 0, fits)
+        if (target is None and not registry.dropped_merge) or self._gpu_waits():
+            return
+        with self.lock:
+            if self.core.device.type == "cuda":
+                torch.cuda.synchronize(self.core.device)
+            registry.dropped_merge = False
+            if target is not None:
+                old = registry.unmerge()
+                merged = registry.merge(target) if target else None
+                orchestrator.switched(merged.switch_s if merged is not None else 0.0)
+                log.info("merged mode: %s -> %s%s", old.adapter.name if old is not None else "none",
+                         merged.adapter.name if merged is not None else "none",
+                         f" ({merged.nbytes / 2**20:.1f} MiB of copies in {merged.switch_s * 1e3:.1f} ms)" if merged is not None else "")
+            self._forget_merged()
 
     def _forget_merged(self) -> None:
         """After a merge switch (caller holds the lock, our GPU idle): every tenant's graphs and

@@ -251,6 +251,7 @@ class LocalControl:
             hosted_adapters=len(self.core.adapters),
             adapter_bytes=self.core.adapters.bytes(),
             adapter_calls=k.adapter_calls,
+            **self.core.merge_stats(),
             tenants=len(tenants),
             calls=k.calls,
             batches=k.batches,
