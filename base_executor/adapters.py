@@ -256,7 +256,9 @@ class AdapterRegistry:
     # ---- using ----------------------------------------------------------------------
 
     def visible(self, owner: int, name: str = "") -> list[Adapter]:
-        found = [a for a in self._by_id.values() if a.owner in (owner, PROVIDER) and (not name or a.name == name)]
+        """The adapters `owner` may use (its own and the provider's; the provider sees all)."""
+        found = [a for a in self._by_id.values()
+                 if (owner == PROVIDER or a.owner in (owner, PROVIDER)) and (not name or a.name == name)]
         if name and not found:
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter named {name!r} is hosted for this tenant")
         return found

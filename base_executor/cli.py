@@ -321,6 +321,12 @@ def _stats(args: argparse.Namespace) -> int:
         return 2
 
 
+def _adapters(args: argparse.Namespace) -> int:
+    from symbiont.base_executor.provider import adapters_main
+
+    return adapters_main(args)
+
+
 def _certs(args: argparse.Namespace) -> int:
     from symbiont.base_executor import certs
 
@@ -414,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("url", nargs="?", default="local://symbiont")
     st.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S seconds until interrupted")
     st.set_defaults(func=_stats)
+
+    ad = sub.add_parser("adapters", help="the provider's shared hosted adapters of a running executor: add NAME DIR "
+                        "(a PEFT LoRA adapter directory), list, remove NAME")
+    ad.add_argument("action", choices=["add", "list", "remove"])
+    ad.add_argument("names", nargs="*", help="add: NAME DIR; remove: NAME")
+    ad.add_argument("--url", default="local://symbiont")
+    ad.set_defaults(func=_adapters)
 
     c = sub.add_parser("certs", help="a CA, the server's and tenants' certificates and credentials for gRPC with mutual TLS")
     c.add_argument("--out", required=True, help="the folder to write (an existing CA there is reused)")

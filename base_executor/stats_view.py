@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import time
 
-import zmq
-
+from symbiont.base_executor.provider import request
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import urls
 
@@ -19,23 +18,10 @@ CLASS_NAMES = {pb.TRAINING: "training", pb.INFERENCE: "inference"}
 
 def fetch(url: str, timeout_s: float = 5.0) -> pb.StatsReply:
     """One StatsReply from the executor serving `url` (no attach: stats need no tenant)."""
-    scheme, name = urls.parse(url)
-    if scheme != "local":
+    if urls.parse(url)[0] != "local":
         raise ValueError(f"{url}: the provider's stats come from the executor's host (base-executor stats local://NAME); "
                          "over gRPC a tenant's connect(...).stats() shows the totals and its own row")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(urls.control_endpoint(name))
-        sock.send(pb.ControlRequest(stats=pb.StatsRequest()).SerializeToString())
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"no executor answered at {url} within {timeout_s:.0f} s")
-        reply = pb.ControlReply.FromString(sock.recv_multipart()[-1])
-    finally:
-        sock.close()
-    if reply.status.code != pb.OK:
-        raise RuntimeError(f"stats refused: {pb.Code.Name(reply.status.code)}: {reply.status.message}")
-    return reply.stats
+    return request(url, pb.ControlRequest(stats=pb.StatsRequest()), timeout_s, what="stats").stats
 
 
 def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: float = 0.0) -> str:

@@ -39,3 +39,9 @@ def run_dir() -> str:
 
 def control_endpoint(name: str) -> str:
     return f"ipc://{os.path.join(run_dir(), name + '.sock')}"
+
+
+def provider_token_path(name: str) -> str:
+    """Where a local executor keeps the provider's token (mode 0600 in the user's 0700 run
+    directory): whoever can read it may manage the executor's shared adapters."""
+    return os.path.join(run_dir(), name + ".provider")

@@ -3,6 +3,8 @@ them. Parity against the same adapter held privately (the unsplit PEFT model), t
 shared adapters, batches mixing adapters, and the registry's typed errors."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -381,3 +383,38 @@ def test_serve_merge_auto_merges_the_busy_adapter_and_no_one_else_moves():
             time.sleep(0.05)
         with torch.no_grad():
             torch.testing.assert_close(hot(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_the_provider_adds_lists_and_removes_shared_adapters_while_serving(tmp_path):
+    """`base-executor adapters add|list|remove` against a running executor: a tenant names the
+    added adapter and gets the PEFT model's logits; removed, its calls are refused; a request with
+    a wrong provider token is refused and the executor serves on."""
+    from symbiont.base_executor.provider import request
+    from symbiont.proto import urls
+    from tests.test_cli import cli
+
+    shared = lora_model(NAME, seed=21).eval()
+    shared.save_pretrained(tmp_path / "helpdesk")
+    with running_executor(NAME) as ex:
+        out = cli("adapters", "add", "helpdesk", str(tmp_path / "helpdesk"), "--url", ex.url)
+        assert out.returncode == 0 and "hosted 'helpdesk'" in out.stdout, out.stderr
+        with connect(ex.url) as conn:
+            conn.host_adapter("own", lora_model(NAME, seed=22))
+            listed = cli("adapters", "list", "--url", ex.url).stdout
+            assert "helpdesk" in listed and "provider" in listed and "own" in listed, listed
+            virt = virtualize(build_builtin(NAME), conn, adapter="helpdesk")
+            x = ids(1, 6)
+            with torch.no_grad():
+                torch.testing.assert_close(virt(x).logits, shared(x).logits, rtol=1e-6, atol=1e-6)
+            bad = pb.ControlRequest(tenant_id=0, token="0" * 32, remove_adapter=pb.RemoveAdapterRequest(name="helpdesk"))
+            with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
+                request(ex.url, bad)
+            assert cli("adapters", "remove", "nope", "--url", ex.url).returncode == 2
+            assert cli("adapters", "remove", "helpdesk", "--url", ex.url).returncode == 0
+            with pytest.raises(InvalidCallError, match="adapter"), torch.no_grad():
+                virt(x)
+            with torch.no_grad():  # the tenant carries on without it
+                assert virtualize(build_builtin(NAME), conn, adapter="own")(x).logits.isfinite().all()
+        token = pathlib.Path(urls.provider_token_path(ex.url.split("//")[1]))
+        assert token.exists() and token.stat().st_mode & 0o777 == 0o600
+    assert not token.exists(), "the executor removes its provider token when it stops"

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 
@@ -113,6 +114,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
         self.started = time.monotonic()
+        self.provider_token = secrets.token_hex(16)  # the provider's own control requests (base_executor/provider.py)
         self.stopping = threading.Event()
         self._control_done = threading.Event()
         self._row_norms: dict[str, list[float]] = {}  # unit -> its rows' squared norms, once asked (DoRA)
@@ -138,6 +140,10 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 raise RuntimeError(f"an executor already serves local://{self.config.name} ({path})")
             os.unlink(path)
         sock.bind(self.endpoint)
+        token_path = urls.provider_token_path(self.config.name)
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.provider_token)
         if on_bound is not None:
             on_bound()
         control = threading.Thread(target=self._control_loop, args=(sock,), name="control", daemon=True)
@@ -155,10 +161,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.detach_remote(r, "executor shutting down")
             self._release_retired()
             self.areas.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            for gone in (path, token_path):
+                try:
+                    os.unlink(gone)
+                except FileNotFoundError:
+                    pass
 
     def stop(self) -> None:
         self.stopping.set()

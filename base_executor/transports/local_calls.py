@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from symbiont.base_executor.adapters import merge_bytes
+from symbiont.base_executor.adapters import PROVIDER, merge_bytes
 from symbiont.base_executor.core import CallError, Result
 from symbiont.base_executor.graphs import CallGraphs
 from symbiont.base_executor.scheduler import Call
@@ -193,10 +193,10 @@ class LocalCalls:
                 self._unlearn(t.areas, key)
 
     def _unlearn_adapter(self, owner: int, adapter: int) -> None:
-        """The lane of tenant `owner` forgets the calls naming `adapter` (removed): they go to
-        Python again, which refuses them (caller holds the lock)."""
-        t = self.tenants.get(owner)
-        if t is not None:
+        """The lanes that may name `adapter` (removed: its owner's, every tenant's for the
+        provider's) forget the calls naming it: they go to Python again, which refuses them (caller
+        holds the lock)."""
+        for t in self.tenants.values() if owner == PROVIDER else filter(None, [self.tenants.get(owner)]):
             for key in [k for k in t.areas.lane_keys if k[0] is ADAPTED and k[1] == adapter]:
                 self._unlearn(t.areas, key)
 

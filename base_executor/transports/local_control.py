@@ -14,7 +14,7 @@ import torch
 
 from google.protobuf.message import DecodeError
 
-from symbiont.base_executor.adapters import AdapterError
+from symbiont.base_executor.adapters import PROVIDER, AdapterError
 from symbiont.base_executor.core import clip
 from symbiont.base_executor.transports.areas import Areas, Tenant, owner_alive, owner_of
 from symbiont.proto import mailbox
@@ -99,6 +99,13 @@ class LocalControl:
             return control_error(pb.UNAVAILABLE, "executor is shutting down")
         if kind == "attach":
             return self._attach(req.attach)
+        if req.tenant_id == PROVIDER and kind in ADAPTER_KINDS:  # the provider's shared adapters (base-executor adapters)
+            if not secrets.compare_digest(req.token, self.provider_token):
+                log.warning("a provider request with a wrong token was refused")
+                return control_error(pb.UNAUTHENTICATED, "not the provider's token (base-executor adapters reads it "
+                                     "from the executor's run directory)")
+            with self.lock:
+                return self.adapter_control(PROVIDER, req)
         with self.lock:
             t = self.tenants.get(req.tenant_id)
             if t is None or not secrets.compare_digest(t.token, req.token):
