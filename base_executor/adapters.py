@@ -14,6 +14,12 @@ A tenant's adapters are seen by that tenant alone and dropped when it leaves; th
 (`base-executor serve --adapters DIR`) are shared by every tenant. The registry checks every
 delta against the served unit (kind, widths, rank) before it keeps anything.
 
+Paging (S-LoRA's unified memory, at the granularity of adapters): with a pool budget
+(`serve --adapter-pool-mb`), adapters are kept in page-locked host memory and copied to the
+executor's device when a call names one that is not there (a miss), or ahead of its calls when a
+tenant's model names it (`adapters` by name: prefetch). The least recently used are evicted
+between batches once the resident ones pass the budget; the hit rate is in the stats.
+
 Merged mode (VaLoRA's, for an adapter that dominates the traffic): the adapter is merged into
 copies of the units it adapts, W' = W + scale B A (computed in float32, rounded once to the served
 dtype, as PEFT's merge), and its calls there are a plain GEMM on W'. The served weights are never
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 
 import torch
@@ -83,11 +90,13 @@ class Adapter:
     name: str
     id: int
     owner: int  # a tenant id, or PROVIDER
-    deltas: dict[str, Delta]
+    deltas: dict[str, Delta]  # its weights: on the executor's device, or (paged) in page-locked host memory
+    resident: dict[str, Delta] | None = None  # paged: its copy on the device, while it is there
+    last_used: int = 0  # paged: when a call last named it (the registry's clock)
 
     @property
     def nbytes(self) -> int:
-        """What its weights take in the executor's memory."""
+        """What its weights take."""
         return sum(t.numel() * t.element_size() for d in self.deltas.values() for t in (d.a, d.b))
 
     def info(self) -> pb.AdapterInfo:
@@ -124,10 +133,16 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]]) -> Unit | None
 
 
 class AdapterRegistry:
-    def __init__(self, table: UnitTable, device: torch.device, max_tenant_bytes: int = 1 << 30):
+    def __init__(self, table: UnitTable, device: torch.device, max_tenant_bytes: int = 1 << 30, pool_bytes: int = 0):
         """max_tenant_bytes: what one tenant's adapters may take of the executor's memory together
-        (the provider's are not counted)."""
-        self.table, self.device, self.max_tenant_bytes = table, device, max_tenant_bytes
+        (the provider's are not counted). pool_bytes: what hosted adapters may take of the device
+        together; beyond it they are paged (0: every adapter stays on the device)."""
+        self.table, self.device, self.max_tenant_bytes, self.pool_bytes = table, device, max_tenant_bytes, pool_bytes
+        self._paging = threading.Lock()  # residency: the data loop, the control thread and gRPC's resolve calls
+        self._clock = 0
+        self._copy_stream = None  # a GPU executor's stream for paging adapters in
+        self.hits = self.misses = self.evictions = 0
+        self._resident = 0  # paged: the device copies' bytes
         self._by_id: dict[int, Adapter] = {}
         self._by_name: dict[tuple[int, str], Adapter] = {}  # (owner, name)
         self._next = 1
@@ -143,6 +158,64 @@ class AdapterRegistry:
 
     def bytes(self) -> int:
         return sum(a.nbytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
+
+    def resident_bytes(self) -> int:
+        """What hosted adapters take on the device now."""
+        return self._resident if self.pool_bytes else self.bytes()
+
+    # ---- paging ---------------------------------------------------------------------
+
+    def on_device(self, adapter: Adapter, count: bool = True) -> dict[str, Delta]:
+        """The adapter's deltas on the executor's device: paged in first when it is not there
+        (a miss: a copy the caller's host waits for, never a GPU stall of other work)."""
+        if not self.pool_bytes:
+            return adapter.deltas
+        with self._paging:
+            self._clock += 1
+            adapter.last_used = self._clock
+            if adapter.resident is not None:
+                self.hits += count
+                return adapter.resident
+            self.misses += count
+            adapter.resident = self._page_in(adapter)
+            self._resident += adapter.nbytes
+            return adapter.resident
+
+    def _page_in(self, adapter: Adapter) -> dict[str, Delta]:
+        if self.device.type != "cuda":
+            return {u: Delta(d.a.clone(), d.b.clone(), d.scale) for u, d in adapter.deltas.items()}
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            copies = {u: Delta(d.a.to(self.device, non_blocking=True), d.b.to(self.device, non_blocking=True), d.scale)
+                      for u, d in adapter.deltas.items()}
+        self._copy_stream.synchronize()  # (ready for every stream; only this copy is waited for)
+        return copies
+
+    def prefetch(self, adapter: Adapter) -> None:
+        """Pages `adapter` in ahead of its calls (a tenant's model names it)."""
+        if self.pool_bytes:
+            self.on_device(adapter, count=False)
+
+    def over_budget(self) -> bool:
+        return bool(self.pool_bytes) and self.resident_bytes() > self.pool_bytes
+
+    def evict(self) -> list[Adapter]:
+        """Drops the device copies of the least recently used adapters until the resident ones fit
+        the pool (never the merged one). The caller makes sure no queued GPU work reads them, and
+        drops what else refers to them (graphs): returned."""
+        evicted = []
+        with self._paging:
+            merged = self.merged.adapter if self.merged is not None else None
+            for adapter in sorted((a for a in self._by_id.values() if a.resident is not None), key=lambda a: a.last_used):
+                if self._resident <= self.pool_bytes:
+                    break
+                if adapter is not merged:
+                    adapter.resident = None
+                    self._resident -= adapter.nbytes
+                    evicted.append(adapter)
+            self.evictions += len(evicted)
+        return evicted
 
     # ---- adding and removing ----------------------------------------------------
 
@@ -195,8 +268,12 @@ class AdapterRegistry:
         scale = float(w.scale)
         if not torch.isfinite(torch.tensor(scale)):
             raise AdapterError(pb.INVALID_ARGUMENT, f"{where}: scale {scale} is not finite")
-        a = torch.frombuffer(bytearray(w.a), dtype=dtype).view(r, unit.in_features).to(self.device)
-        b = torch.frombuffer(bytearray(w.b), dtype=dtype).view(unit.out_features, r).to(self.device)
+        a = torch.frombuffer(bytearray(w.a), dtype=dtype).view(r, unit.in_features)
+        b = torch.frombuffer(bytearray(w.b), dtype=dtype).view(unit.out_features, r)
+        if not self.pool_bytes:
+            a, b = a.to(self.device), b.to(self.device)
+        elif self.device.type == "cuda":
+            a, b = a.pin_memory(), b.pin_memory()  # (paged in with an asynchronous copy)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(pb.INVALID_ARGUMENT, f"{where}: weights hold NaN or infinity")
         return Delta(a, b, scale)
@@ -216,6 +293,10 @@ class AdapterRegistry:
             self._drop(adapter)
 
     def _drop(self, adapter: Adapter) -> None:
+        if adapter.resident is not None:
+            with self._paging:
+                adapter.resident = None
+                self._resident -= adapter.nbytes
         del self._by_id[adapter.id]
         del self._by_name[(adapter.owner, adapter.name)]
         if self.merged is not None and self.merged.adapter is adapter:
@@ -229,14 +310,15 @@ class AdapterRegistry:
         its calls at those units get the copy from then on. The served weights stay as they are."""
         adapter = self._by_id[adapter_id]
         t0 = time.perf_counter()
+        deltas = self.on_device(adapter, count=False)
         units: dict[str, Unit] = {}
         for unit in self.table.units.values():  # groups first: a member called alone reads its group's copy
             if unit.members and unit.kind in (LINEAR, CONV1D):
-                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], adapter.deltas[m.id]) for m in unit.members if m.id in adapter.deltas])
+                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas])
                 if merged is not None:
                     units[unit.id] = merged
-                    units.update((m.id, m) for m in merged.members if m.id in adapter.deltas)
-        for unit_id, delta in adapter.deltas.items():
+                    units.update((m.id, m) for m in merged.members if m.id in deltas)
+        for unit_id, delta in deltas.items():
             unit = self.table.get(unit_id)
             if unit_id not in units and unit is not None:
                 units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)])
@@ -282,11 +364,12 @@ class AdapterRegistry:
         adapter = self._by_id.get(adapter_id)
         if adapter is None or adapter.owner not in (owner, PROVIDER):
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter with id {adapter_id} is hosted for this tenant")
+        deltas = self.on_device(adapter)
         if unit.members and unit.kind in (LINEAR, CONV1D):
-            parts = [(m.rows[0], m.rows[1], adapter.deltas[m.id]) for m in unit.members if m.id in adapter.deltas]
+            parts = [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas]
             if parts:
                 return GroupDelta(parts)
-        found = adapter.deltas.get(unit.id)
+        found = deltas.get(unit.id)
         if found is None:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {adapter.name!r} has nothing for unit {unit.id!r}")
         return found

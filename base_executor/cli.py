@@ -158,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
     core = ExecutorCore(table, dtype, device, sched)
     core.tp = tp
     core.adapters.max_tenant_bytes = int(args.max_tenant_adapter_mb * 2**20)
+    core.adapters.pool_bytes = int(args.adapter_pool_mb * 2**20)
     if args.adapters:
         if shard is not None:
             raise SystemExit("--adapters: hosted adapters are not served by a sharded executor yet")
@@ -388,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "named after it) for every tenant to name")
     s.add_argument("--max-tenant-adapter-mb", type=float, default=1024.0,
                    help="what one tenant's hosted adapters may take of the executor's memory together (MiB)")
+    s.add_argument("--adapter-pool-mb", type=float, default=0.0, help="what hosted adapters may take of the executor's "
+                   "device together: beyond it they wait in page-locked host memory and are paged in when a call or a "
+                   "tenant's model names them, the least recently used out (0: every adapter stays on the device)")
     s.add_argument("--merge", default="off", choices=["off", "auto"], help="hosted adapters: auto merges the adapter that "
                    "dominates the traffic into copies of its units, so its calls are a plain GEMM (the served weights and "
                    "everyone else's results stay as they are; its own results move by the merge's rounding)")

@@ -34,6 +34,10 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
         f"{now.calls / max(now.batches, 1):.2f} calls per batch | hosted adapters {now.hosted_adapters} "
         f"({now.adapter_bytes / 2**20:.1f} MiB), {now.adapter_calls} calls named one",
     ]
+    if now.adapter_misses or now.adapter_evictions:
+        looked = now.adapter_hits + now.adapter_misses
+        lines.append(f"adapter pool {now.adapter_resident_bytes / 2**20:.1f} MiB on the device | hit rate "
+                     f"{now.adapter_hits / max(looked, 1):.1%} ({now.adapter_misses} misses) | {now.adapter_evictions} evictions")
     if now.merge_switches or now.merged_adapter:
         lines.append(f"merged adapter {now.merged_adapter or '-'} ({now.merged_bytes / 2**20:.1f} MiB of copies) | "
                      f"{now.merge_switches} switches, the last {now.merge_switch_ms:.1f} ms | "
@@ -112,6 +116,10 @@ class StatsCollector:
         yield gauge("queued_tokens", "tokens in the queues now", s.queued_tokens)
         yield gauge("hosted_adapters", "LoRA adapters the executor holds", s.hosted_adapters)
         yield counter("adapter_calls", "calls that named a hosted adapter", s.adapter_calls)
+        yield gauge("adapter_resident_bytes", "hosted adapters' weights on the device now", s.adapter_resident_bytes)
+        yield counter("adapter_hits", "calls whose hosted adapter was on the device", s.adapter_hits)
+        yield counter("adapter_misses", "calls whose hosted adapter was paged in for them", s.adapter_misses)
+        yield counter("adapter_evictions", "hosted adapters paged out of the device", s.adapter_evictions)
         yield counter("merge_switches", "hosted adapters merged or unmerged (serve --merge auto)", s.merge_switches)
         yield gauge("merged_bytes", "the merged adapter's copies of its units", s.merged_bytes)
         yield counter("merged_tokens", "tokens of calls served by a merged adapter's copies", s.merged_tokens)

@@ -418,3 +418,58 @@ def test_the_provider_adds_lists_and_removes_shared_adapters_while_serving(tmp_p
         token = pathlib.Path(urls.provider_token_path(ex.url.split("//")[1]))
         assert token.exists() and token.stat().st_mode & 0o777 == 0o600
     assert not token.exists(), "the executor removes its provider token when it stops"
+
+
+def test_paged_adapters_compute_the_same_and_stay_within_the_pool():
+    """The registry with a pool that holds one adapter: calls naming three adapters in turn page
+    them in (misses), the least recently used go out between batches (never below the budget's
+    worth of work lost), and every call computes bitwise what the unpaged registry computes."""
+    model = build_builtin(NAME)
+    table = UnitTable(model)
+    plain = ExecutorCore(table, torch.float32, torch.device("cpu"), SchedulerConfig())
+    paged = ExecutorCore(table, torch.float32, torch.device("cpu"), SchedulerConfig())
+    hosted = [_host_qv(plain, 1, f"a{i}", seed=i)[0] for i in range(3)]
+    paged.adapters.pool_bytes = hosted[0].nbytes  # one adapter's worth
+    for i in range(3):
+        _host_qv(paged, 1, f"a{i}", seed=i)
+    assert paged.adapters.resident_bytes() == 0 and paged.adapters.bytes() == 3 * hosted[0].nbytes
+    group = next(u for u in table.units.values() if u.members and u.id.endswith("{q_proj,k_proj,v_proj}"))
+    x = torch.randn(4, group.in_features, generator=torch.Generator().manual_seed(0))
+    for turn in (0, 1, 0, 2, 2, 1):
+        want = torch.mm(x, group.weight.t())
+        plain.adapters.delta(1, hosted[turn].id, group).add_to(pb.FORWARD, x, want)
+        got = torch.mm(x, group.weight.t())
+        paged.adapters.delta(1, hosted[turn].id, group).add_to(pb.FORWARD, x, got)
+        assert torch.equal(got, want)
+        if paged.adapters.over_budget():
+            evicted = paged.adapters.evict()
+            assert evicted and all(a.id != hosted[turn].id for a in evicted), "the one just used stays"
+        assert paged.adapters.resident_bytes() <= paged.adapters.pool_bytes
+    r = paged.adapters
+    assert (r.hits, r.misses, r.evictions) == (1, 5, 4)
+    r.prefetch(r.get(hosted[0].id))  # a tenant's model names it: paged in ahead, not counted as a call
+    assert (r.hits, r.misses) == (1, 5) and r.get(hosted[0].id).resident is not None
+
+
+def test_serve_pages_hosted_adapters_through_a_small_pool():
+    """A real executor whose pool holds one adapter, two tenants with hosted adapters taking turns:
+    each gets its PEFT model's logits every time; the stats show misses, evictions and the pool."""
+    refs = [lora_model(NAME, seed=s).eval() for s in (31, 32)]
+    x = ids(1, 9)
+    with running_executor(NAME, "--adapter-pool-mb", "0.012") as ex:
+        conns = [connect(ex.url, name=f"t{i}") for i in range(2)]
+        try:
+            virts = []
+            for i, (conn, ref) in enumerate(zip(conns, refs)):
+                conn.host_adapter(f"mine{i}", ref)
+                virts.append(virtualize(build_builtin(NAME), conn, adapter=f"mine{i}"))
+            with torch.no_grad():
+                for _ in range(3):
+                    for virt, ref in zip(virts, refs):
+                        torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
+            s = conns[0].stats()
+            assert s.adapter_misses >= 3 and s.adapter_evictions >= 2 and s.adapter_hits > 0, s
+            assert s.adapter_resident_bytes <= s.adapter_bytes
+        finally:
+            for c in conns:
+                c.close()

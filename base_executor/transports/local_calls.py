@@ -175,6 +175,27 @@ class LocalCalls:
                          f" ({merged.nbytes / 2**20:.1f} MiB of copies in {merged.switch_s * 1e3:.1f} ms)" if merged is not None else "")
             self._forget_merged()
 
+    def _evict_adapters(self) -> None:
+        """Data loop, between batches, no stream of ours waiting on a tenant: pages out the least
+        recently used hosted adapters past the pool's budget; the graphs and lanes that computed
+        them forget those calls (our GPU synchronised first: no replay still queued reads them)."""
+        with self.lock:
+            if self.core.device.type == "cuda":
+                torch.cuda.synchronize(self.core.device)
+            gone = {a.id for a in self.core.adapters.evict()}
+            if not gone:
+                return
+
+            def stale(key) -> bool:
+                return isinstance(key, tuple) and bool(key) and key[0] is ADAPTED and key[1] in gone
+
+            for t in self.tenants.values():
+                for graphs in (t.areas.graphs, t.areas.own_graphs):
+                    if graphs is not None:
+                        graphs.forget(stale)
+                for key in [k for k in t.areas.lane_keys if stale(k)]:
+                    self._unlearn(t.areas, key)
+
     def _forget_merged(self) -> None:
         """After a merge switch (caller holds the lock, our GPU idle): every tenant's graphs and
         lanes forget the calls of merged copies and of the adapter now merged, which are computed
@@ -224,6 +245,7 @@ class LocalCalls:
             k.per_tenant_tokens[tenant] += n * tokens
             if adapter:
                 k.adapter_calls += n
+                self.core.adapters.hits += n if self.core.adapters.pool_bytes else 0  # (a lane's adapter is on the device)
                 if self.core.orchestrator is not None:
                     self.core.orchestrator.note(adapter, n * tokens, bool(epoch))
             k.graph_replays += n

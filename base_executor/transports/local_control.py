@@ -133,6 +133,9 @@ class LocalControl:
                 return pb.ControlReply(status=_OK, host_adapter=adapter.info())
             if kind == "adapters":
                 found = registry.visible(owner, req.adapters.name)
+                if req.adapters.name:  # a tenant's model names it: its calls come next
+                    for adapter in found:
+                        registry.prefetch(adapter)
                 return pb.ControlReply(status=_OK, adapters=pb.AdaptersReply(adapters=[a.info() for a in found]))
             removed = registry.remove(owner, req.remove_adapter.name)
             self._unlearn_adapter(owner, removed.id)
@@ -259,6 +262,10 @@ class LocalControl:
             adapter_bytes=self.core.adapters.bytes(),
             adapter_calls=k.adapter_calls,
             **self.core.merge_stats(),
+            adapter_resident_bytes=self.core.adapters.resident_bytes(),
+            adapter_hits=self.core.adapters.hits,
+            adapter_misses=self.core.adapters.misses,
+            adapter_evictions=self.core.adapters.evictions,
             tenants=len(tenants),
             calls=k.calls,
             batches=k.batches,
