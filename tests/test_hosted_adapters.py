@@ -473,3 +473,42 @@ def test_serve_pages_hosted_adapters_through_a_small_pool():
         finally:
             for c in conns:
                 c.close()
+
+
+@pytest.mark.gpu
+def test_same_gpu_tenants_with_merged_and_paged_adapters():
+    """On the GPU (graphs, native lanes, GPU input waits): with a pool that holds one adapter and
+    `--merge auto`, two same-GPU tenants taking turns, one of them generating much more, get their
+    PEFT models' logits and greedy tokens throughout (merged, paged in, evicted, unmerged), and a
+    plain tenant's logits stay bitwise the unsplit model's."""
+    import time
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    refs = [lora_model(NAME, seed=s, base=build_builtin(NAME).cuda()).eval() for s in (41, 42)]
+    plain_ref = build_builtin(NAME).cuda()
+    x = ids(1, 9).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with running_executor(NAME, "--device", "cuda:0", "--adapter-pool-mb", "0.012", "--merge", "auto",
+                          "--merge-window-s", "0.3") as ex:
+        conns = [connect(ex.url, name=f"t{i}") for i in range(3)]
+        try:
+            virts = []
+            for i, ref in enumerate(refs):
+                conns[i].host_adapter(f"gpu{i}", ref, device="cuda:0")
+                virts.append(virtualize(build_builtin(NAME).cuda(), conns[i], adapter=f"gpu{i}"))
+            plain = virtualize(build_builtin(NAME).cuda(), conns[2])
+            want = [ref.generate(x, **kw) for ref in refs]
+            deadline = time.monotonic() + 60
+            with torch.no_grad():
+                while time.monotonic() < deadline and not conns[0].stats().merge_switches:
+                    assert torch.equal(virts[0].generate(x, **kw), want[0])
+                for _ in range(3):
+                    for virt, ref, w in zip(virts, refs, want):
+                        torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
+                        assert torch.equal(virt.generate(x, **kw), w)
+                    assert torch.equal(plain(x).logits, plain_ref(x).logits)
+            s = conns[0].stats()
+            assert s.merge_switches >= 1 and s.adapter_misses >= 2 and s.graph_replays > 0, s
+        finally:
+            for c in conns:
+                c.close()
