@@ -82,7 +82,7 @@ class Counters:
     per_unit_batches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     per_unit_tokens: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     flops: float = 0.0  # model FLOPs of the calls served
-    refused: int = 0  # calls answered RETRY_LATER
+    refused: int = 0  # calls answered RETRY_LATER or OVER_BUDGET
     adapter_calls: int = 0  # calls that named a hosted adapter
     classes: dict = dataclasses.field(default_factory=lambda: {pb.TRAINING: ClassCounters(), pb.INFERENCE: ClassCounters()})
     per_tenant_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -173,7 +173,8 @@ class ExecutorCore:
     # ---- queue and run ----------------------------------------------------
 
     def submit(self, call: Call) -> None:
-        """Queues `call`; CallError(RETRY_LATER) when the scheduler refuses it (quotas, saturation)."""
+        """Queues `call`; CallError(RETRY_LATER) when the scheduler refuses it (quotas, saturation),
+        CallError(OVER_BUDGET) when it would wait past its latency budget."""
         try:
             self.scheduler.submit(call)
         except Refused as e:
@@ -181,7 +182,7 @@ class ExecutorCore:
             k.refused += 1
             k.classes[call.latency].refused += 1
             k.per_tenant_refused[call.tenant] += 1
-            raise CallError(pb.RETRY_LATER, str(e), e.retry_after_s) from None
+            raise CallError(e.code, str(e), e.retry_after_s) from None
 
     def step(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Result]:
         """Runs at most one batch; [] when nothing is due."""

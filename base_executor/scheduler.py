@@ -86,6 +86,7 @@ class Call:
     graph_key: object = None
     adapter: object = None  # adapters.Delta of the hosted adapter the call names, added to its result
     adapter_id: int = 0  # the hosted adapter it names (0: none)
+    budget_s: float = 0.0  # its latency budget (CallRequest.budget_us): refused when it would wait longer (0: none)
     merge_epoch: int = 0  # its unit is that adapter's merged copy, of this merge (adapters.Merged)
 
     @property
@@ -94,11 +95,13 @@ class Call:
 
 
 class Refused(Exception):
-    """A call the scheduler will not queue now: over a quota, or the queues are full."""
+    """A call the scheduler will not queue now: over a quota, the queues are full (RETRY_LATER),
+    or it would wait past its latency budget (OVER_BUDGET)."""
 
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float, code: int = pb.RETRY_LATER):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class Scheduler:
@@ -128,6 +131,11 @@ class Scheduler:
             why = f"the executor is saturated: {self.queued_tokens} tokens queued (at most {c.max_queued_tokens})"
         if why is not None:
             raise Refused(why, self.retry_after_s(call.tenant))
+        if call.budget_s and self.queued_tokens:
+            expected = self.queued_tokens / self._rate if self._rate > 0 else float("inf")
+            if expected > call.budget_s:
+                raise Refused(f"the {self.queued_tokens} tokens queued ahead would take ~{min(expected, 99.0) * 1e3:.1f} ms, "
+                              f"past the call's budget of {call.budget_s * 1e3:.3f} ms", self.retry_after_s(), pb.OVER_BUDGET)
 
     def retry_after_s(self, tenant: int | None = None) -> float:
         """About how long the queued tokens (`tenant`'s, or everyone's) take to drain."""

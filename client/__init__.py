@@ -9,6 +9,7 @@ from symbiont.client.errors import (
     MalformedMessageError,
     ModelMismatchError,
     NotAttachedError,
+    OverBudgetError,
     ResourceExhaustedError,
     RetryLaterError,
     ShapeMismatchError,
@@ -22,5 +23,5 @@ __all__ = [
     "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
     "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
-    "AuthenticationError",
+    "AuthenticationError", "OverBudgetError",
 ]

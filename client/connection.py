@@ -23,11 +23,15 @@ class Connection:
     def __init__(
         self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
         token: str | None = None, tls_dir: str | None = None, tenant: str | None = None, reconnect_s: float | None = None,
+        latency_budget_ms: float | None = None,
     ):
         self.url = url
         self.name = name or tenant or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
         self._options = dict(token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s)
         self._spin_us = spin_us
+        if latency_budget_ms is not None and not 0 < latency_budget_ms < 4e6:
+            raise ValueError(f"latency_budget_ms must be in (0, 4e6), got {latency_budget_ms}")
+        self._budget_us = int(latency_budget_ms * 1000) if latency_budget_ms else 0
         self.transport: Transport = self._open(url)
         self._latency = latency
         self._mailbox_bytes = mailbox_mb << 20
@@ -39,6 +43,7 @@ class Connection:
         t = open_transport(url, **self._options)
         if self._spin_us is not None:
             t.spin_us = self._spin_us
+        t.budget_us = self._budget_us
         return t
 
     @property
@@ -225,8 +230,9 @@ def connect(url: str = "local://symbiont", **kwargs) -> Connection:
     'grpc://HOST:PORT' on another. For gRPC with mutual TLS pass tls_dir= (a folder holding the
     provider's ca.pem and your NAME.pem, NAME.key, NAME.token) and tenant=NAME; token= gives the
     credential directly (an --insecure executor that asks for one); reconnect_s (default 60; 0:
-    never) is how long a gRPC call waits for a restarted executor. Other keywords: name,
-    latency, mailbox_mb, spin_us."""
+    never) is how long a gRPC call waits for a restarted executor. latency_budget_ms: a call the
+    executor expects to wait longer than this is refused at once (OverBudgetError), never queued.
+    Other keywords: name, latency, mailbox_mb, spin_us."""
     return Connection(url, **kwargs)
 
 

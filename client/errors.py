@@ -69,6 +69,13 @@ class RetryLaterError(ResourceExhaustedError):
     retry_after_s: float = 0.0
 
 
+class OverBudgetError(RetryLaterError):
+    """The executor expected the call to wait longer than this connection's latency budget
+    (connect(..., latency_budget_ms=)) and refused it at once; nothing was done."""
+
+    code = pb.OVER_BUDGET
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -83,6 +90,7 @@ _BY_CODE = {
         ExecutorUnavailableError,
         InternalError,
         RetryLaterError,
+        OverBudgetError,
         AuthenticationError,
     )
 }
@@ -95,7 +103,7 @@ def error_for_status(status: pb.Status, context: str = "") -> SymbiontError | No
     cls = _BY_CODE.get(status.code, InternalError)
     prefix = f"{context}: " if context else ""
     error = cls(f"{prefix}{pb.Code.Name(status.code) if status.code in pb.Code.values() else status.code}: {status.message}")
-    if status.code == pb.RETRY_LATER:
+    if status.code in (pb.RETRY_LATER, pb.OVER_BUDGET):
         error.retry_after_s = status.retry_after_us * 1e-6
     return error
 

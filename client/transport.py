@@ -34,6 +34,7 @@ class Transport(abc.ABC):
         self.area_device: torch.device | None = None  # the executor's GPU, when the data area is there
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one call in flight per tenant
+        self.budget_us = 0  # every call's latency budget (connect(..., latency_budget_ms=)); 0: none
 
     # ---- backend --------------------------------------------------------------
 
@@ -122,7 +123,7 @@ class Transport(abc.ABC):
         `unit` may name a hosted adapter as UNIT@ID (adapted_unit)."""
         unit, _, adapter = unit.partition("@")
         return pb.CallRequest(call_id=call_id, unit=unit, op=op, dtype=codec.dtype_enum(x.dtype), shape=list(x.shape), latency=latency,
-                              adapter=int(adapter or 0))
+                              adapter=int(adapter or 0), budget_us=self.budget_us)
 
     def confirm(self) -> None:
         """Waits until the executor has answered every call made so far and raises the first

@@ -8,6 +8,7 @@ from symbiont.client.errors import (  # noqa: F401
     MalformedMessageError,
     ModelMismatchError,
     NotAttachedError,
+    OverBudgetError,
     ResourceExhaustedError,
     RetryLaterError,
     ShapeMismatchError,

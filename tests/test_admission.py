@@ -103,3 +103,44 @@ def test_a_training_steps_calls_are_training_and_no_grad_calls_inference(executo
             model(input_ids=x)
         last = by_class(conn)
         assert last[pb.TRAINING] == after[pb.TRAINING] and last[pb.INFERENCE] - after[pb.INFERENCE] == 8
+
+
+def test_a_tenant_with_a_latency_budget_is_refused_early_and_the_others_carry_on():
+    """A real executor whose calls wait for each other (long batching waits): while one tenant's
+    forward has calls queued, a tenant with a 1 ms latency budget gets OverBudgetError at once (not
+    after the wait); the first tenant's forward finishes exact, and the budgeted tenant succeeds once
+    the queues are empty."""
+    import threading
+    import time
+
+    import torch
+
+    from symbiont import connect, virtualize
+    from symbiont.base_executor.models import build_builtin
+    from symbiont.client.errors import OverBudgetError, RetryLaterError
+    from tests.conftest import running_executor
+    from tests.models import ids
+
+    x = ids(1, 5)
+    want = build_builtin("tiny-llama")(x).logits.detach()
+    with running_executor("tiny-llama", "--max-wait-us", "300000", "--inference-wait-us", "300000") as ex:
+        with connect(ex.url, name="slow") as a, connect(ex.url, name="hurried", latency_budget_ms=1.0) as b:
+            va, vb = virtualize(build_builtin("tiny-llama"), a), virtualize(build_builtin("tiny-llama"), b)
+            got = {}
+
+            def run():
+                with torch.no_grad():
+                    got["a"] = va(x).logits
+
+            worker = threading.Thread(target=run)
+            worker.start()
+            time.sleep(0.5)  # a's calls wait for b's (b is attached): they sit in the queues
+            t0 = time.monotonic()
+            with pytest.raises(OverBudgetError, match="budget") as e, torch.no_grad():
+                vb(x)
+            assert time.monotonic() - t0 < 0.25 and isinstance(e.value, RetryLaterError)
+            worker.join(60)
+            torch.testing.assert_close(got["a"], want)
+            assert b.stats().refused >= 1
+            with torch.no_grad():  # nothing queued ahead now: within budget
+                torch.testing.assert_close(vb(x).logits, want)

@@ -134,3 +134,19 @@ def test_a_tenants_calls_run_in_the_order_it_sent_them(model, policy):
         ran += [(r.call.tenant, r.call.unit.id) for r in core.step(now=0.3, can_grow=False, attached=2)]
     assert ran.index((1, Q)) < ran.index((1, K)) and sorted(ran) == [(1, K), (1, Q), (2, K)]
 
+
+
+def test_a_call_that_would_wait_past_its_budget_is_refused_at_once(model):
+    core = core_for(model, max_wait_us=0)
+    for t in (0.0, 0.001):  # a drain rate: 8 tokens a millisecond
+        core.submit(call(core, 1, Q, 8, t=t))
+        core.step(now=t, can_grow=False)
+    core.submit(call(core, 2, K, 80, t=0.002))  # ~10 ms of tokens queued
+    tight, loose, none = (call(core, 3, V, 1, t=0.002, seed=s) for s in (3, 4, 5))
+    tight.budget_s, loose.budget_s = 0.001, 0.1
+    with pytest.raises(CallError, match="budget of 1.000 ms") as e:
+        core.submit(tight)
+    assert e.value.code == pb.OVER_BUDGET and 0 < e.value.retry_after_s <= 1.0
+    core.submit(loose)
+    core.submit(none)
+    assert core.scheduler.pending() == 3 and core.counters.refused == 1

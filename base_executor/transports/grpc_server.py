@@ -304,7 +304,7 @@ class GrpcServer:
             core.check_ids(unit, x)
         unit, adapter, epoch = core.adapted(t.id, req.adapter, unit)
         return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape, latency=req.latency,
-                    arrived=0.0, adapter=adapter, adapter_id=req.adapter, merge_epoch=epoch)
+                    arrived=0.0, adapter=adapter, adapter_id=req.adapter, merge_epoch=epoch, budget_s=req.budget_us * 1e-6)
 
 
 def _resolve(future: asyncio.Future, value) -> None:

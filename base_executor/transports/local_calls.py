@@ -93,6 +93,7 @@ class LocalCalls:
             adapter=adapter,
             adapter_id=req.adapter,
             merge_epoch=epoch,
+            budget_s=req.budget_us * 1e-6,
         )
 
     def _graphs(self, areas, own: bool):
