@@ -48,7 +48,12 @@ def add_adapter(url: str, name: str, directory: str) -> pb.AdapterInfo:
     from symbiont.proto.adapters import load_peft_dir, peft_weights
 
     state, config = load_peft_dir(directory)
-    req = _as_provider(url, host_adapter=pb.HostAdapterRequest(name=name, weights=peft_weights(state, config)))
+    return host_weights(url, name, peft_weights(state, config))
+
+
+def host_weights(url: str, name: str, weights: list[pb.AdapterWeight]) -> pb.AdapterInfo:
+    """Hosts the provider's shared adapter `name` from its per-unit weights (proto.adapters)."""
+    req = _as_provider(url, host_adapter=pb.HostAdapterRequest(name=name, weights=weights))
     return request(url, req, what=f"adapter {name!r}").host_adapter
 
 

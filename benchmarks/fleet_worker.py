@@ -145,6 +145,10 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
+    p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
+                   "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
+    p.add_argument("--shared", action="store_true", help="S9, symbiont: name the provider's registered adapter s9-K "
+                   "(the executor computes it; the tenant holds none)")
     p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
     p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
     a = p.parse_args()
@@ -157,6 +161,15 @@ def main() -> int:
         model = lora(model, RANKS[0], targets, names[0])
         for i, n in enumerate(names[1:], start=1):
             lora(model, RANKS[i % len(RANKS)], targets, n, into=model)
+    elif a.s9_adapter >= 0 and a.shared:
+        del model  # the provider's adapter: the executor computes it
+        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=f"s9-{a.s9_adapter}")
+    elif a.s9_adapter >= 0:
+        import s9_adapters
+
+        weights = s9_adapters.adapter_weights(model.config, a.s9_adapter)
+        model = lora(model, s9_adapters.rank_of(a.s9_adapter), list(s9_adapters.TARGETS))
+        s9_adapters.load_into(model, weights)
     else:
         model = lora(model, RANKS[a.index % len(RANKS)], targets)
     if a.hosted:  # the executor computes the adapter: the tenant's model holds none
