@@ -1,0 +1,87 @@
+"""Merged mode's switch (issue 21): how long `AdapterRegistry.merge` takes to make the merged copies of
+a rank-R adapter on every projection of a model, against the memory-traffic floor (one read and one
+write of those units' weights: what any merge must move, timed as a plain device copy of the same
+bytes), and what unmerging costs (dropping the copies).
+
+    python benchmarks/probes/merge_switch.py --model llama-8b --rank 64 [--device cuda:0] [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-8b")
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from symbiont.base_executor.adapters import AdapterRegistry
+    from symbiont.base_executor.catalog import UnitTable
+    from symbiont.base_executor.models import BUILTINS
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.codec import dtype_enum
+
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    config = BUILTINS[a.model].config()
+    with device:  # random weights made on the device: their values do not change the time
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    table = UnitTable(model)
+    registry = AdapterRegistry(table, device)
+    weights, g = [], torch.Generator().manual_seed(0)
+    for uid, unit in table.units.items():
+        if uid.rpartition(".")[2] in PROJECTIONS and unit.kind == "linear" and not unit.members:
+            A = (torch.randn(a.rank, unit.in_features, generator=g) * 0.01).to(dtype)
+            B = (torch.randn(unit.out_features, a.rank, generator=g) * 0.01).to(dtype)
+            weights.append(pb.AdapterWeight(unit=uid, rank=a.rank, dtype=dtype_enum(dtype), scale=2.0,
+                                            a=A.view(torch.uint8).numpy().tobytes(), b=B.view(torch.uint8).numpy().tobytes()))
+    adapter = registry.host(0, pb.HostAdapterRequest(name="probe", weights=weights))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    merges, unmerges, copies = [], [], []
+    for _ in range(a.repeat + 1):
+        sync()
+        t0 = time.perf_counter()
+        merged = registry.merge(adapter.id)  # (synchronises a GPU before it returns)
+        merges.append(time.perf_counter() - t0)
+        nbytes = merged.nbytes
+        t0 = time.perf_counter()
+        registry.unmerge()
+        del merged
+        unmerges.append(time.perf_counter() - t0)
+        src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)  # the floor: one read, one write
+        sync()
+        t0 = time.perf_counter()
+        dst = src.clone()
+        sync()
+        copies.append(time.perf_counter() - t0)
+        del src, dst
+    merge_ms, unmerge_ms, floor_ms = (1e3 * statistics.median(x[1:]) for x in (merges, unmerges, copies))
+    row = {"model": a.model, "rank": a.rank, "device": str(device), "dtype": a.dtype, "adapted_units": len(weights),
+           "copies_mb": nbytes / 2**20, "merge_ms": merge_ms, "unmerge_ms": unmerge_ms, "floor_ms": floor_ms,
+           "merge_over_floor": merge_ms / floor_ms}
+    print(json.dumps(row))
+    print(f"{a.model} rank {a.rank}, {len(weights)} projections, {nbytes / 2**30:.2f} GiB of copies: merge {merge_ms:.2f} ms, "
+          f"unmerge {unmerge_ms:.3f} ms; floor (a copy of as many bytes) {floor_ms:.2f} ms: {merge_ms / floor_ms:.2f}x")
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
