@@ -512,3 +512,24 @@ def test_same_gpu_tenants_with_merged_and_paged_adapters():
         finally:
             for c in conns:
                 c.close()
+
+
+def test_the_adapter_packing_example_packs_tasks_within_their_targets():
+    """examples/adapter_packing.py end to end (its own executor): every adapter it keeps holds tasks
+    that meet their target, fewer adapters than tasks when two tasks fit one, and each packed adapter
+    hosted by the executor scores its tasks exactly as it did held privately."""
+    import re
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "examples/adapter_packing.py", "--tasks", "3", "--steps", "200", "--targets", "0.8"],
+                         capture_output=True, text=True, timeout=600, cwd=repo)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = out.stdout
+    private = re.findall(r"^  (adapter\d+): tasks \[([\d, ]+)\], accuracy ([\d., ]+)", text, re.M)
+    hosted = re.findall(r"^  packed-(adapter\d+): tasks \[([\d, ]+)\], accuracy ([\d., ]+)", text, re.M)
+    assert private and private == hosted, text
+    assert sorted(int(t) for _, tasks, _ in private for t in tasks.split(",")) == [0, 1, 2]
+    assert all(float(s) >= 0.8 for _, _, scores in private for s in scores.split(",")), text
+    assert len(private) < 3, f"at target 0.8 a rank-4 adapter holds two of these tasks:\n{text}"
