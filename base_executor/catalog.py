@@ -15,7 +15,7 @@ from torch import nn
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import dtype_enum
 from symbiont.proto.fingerprint import fingerprint
-from symbiont.proto import experts, gated_mlp
+from symbiont.proto import experts, gated_mlp, patches
 
 LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
 
@@ -39,7 +39,7 @@ def unit_kind(module: nn.Module) -> str | None:
     """Which kind of unit a module is, or None when it is not one the executor serves."""
     from transformers.pytorch_utils import Conv1D
 
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or patches.is_patch_conv(module):  # (a patch embedding is a Linear over patches)
         return LINEAR
     if isinstance(module, Conv1D):
         return CONV1D
@@ -93,6 +93,8 @@ class UnitTable:
             tied = owner_of.setdefault(id(module.weight), path)
             # a tied unit shares its owner's tensor object, so moving or counting dedupes it
             w = module.weight.detach() if tied == path else self.units[tied].weight
+            if kind == LINEAR and w.dim() > 2:
+                w = patches.linear_weight(w)
             b = getattr(module, "bias", None)
             if kind == LINEAR:
                 d_out, d_in = w.shape

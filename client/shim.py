@@ -21,6 +21,7 @@ from torch import nn
 from symbiont.client.errors import ModelMismatchError
 from symbiont.client.transport import adapted_unit
 from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import patches
 
 
 class RemoteWeight(torch.Tensor):
@@ -358,6 +359,18 @@ def linear_args(args, kwargs) -> tuple:
     return args[0], (args[1] if len(args) > 1 else kwargs.get("weight")), (args[2] if len(args) > 2 else kwargs.get("bias"))
 _TRANSPOSES = (torch.Tensor.T.__get__, torch.Tensor.t, torch.t, torch.Tensor.mT.__get__)
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+class VirtPatchConv(VirtLayer):
+    """A convolution over non-overlapping patches (a vision patch embedding): its input cut into
+    patches here, the patches through the unit (a Linear of the flattened kernel) at the executor,
+    the result laid out as the convolution's (proto/patches.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batched = x.dim() == len(self.kernel_size) + 2
+        flat, grid = patches.to_patches(x, tuple(self.kernel_size))
+        self._check(flat)
+        return patches.from_patches(call_unit(flat, self._shim_id, pb.FORWARD), grid, batched)
 
 
 class VirtScaledEmbedding(VirtLayer):

@@ -17,9 +17,11 @@ from torch import nn
 from symbiont.client.errors import ModelMismatchError
 from symbiont.client.experts import make_experts_shim
 from symbiont.client.fusion import fuse_siblings
-from symbiont.client.shim import VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtScaledEmbedding, make_shim
+from symbiont.client.shim import (
+    VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
+)
 from symbiont.client.whole_mlp import serve_whole_mlps
-from symbiont.proto import codec
+from symbiont.proto import codec, patches
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.experts import expert_params
 from symbiont.proto.fingerprint import fingerprint
@@ -45,6 +47,8 @@ SHIM_TABLE: list[tuple[str, Callable[[nn.Module], bool], type]] = [
     ("nn.Linear", _plain_forward(nn.Linear), VirtLinear),
     ("transformers Conv1D", lambda m: isinstance(m, _conv1d_type()), VirtLinear),
     ("nn.Embedding", _plain_forward(nn.Embedding), VirtEmbedding),
+    ("a convolution over non-overlapping patches (kernel = stride, no padding: a patch embedding)", patches.is_patch_conv,
+     VirtPatchConv),
     ("nn.Embedding scaled by an `embed_scale` buffer (Gemma)", _scaled_embedding, VirtScaledEmbedding),
     ("an nn.Linear or nn.Embedding subclass with a forward of its own, whose F.linear / F.embedding of its weight "
      "become calls", lambda m: isinstance(m, (nn.Linear, nn.Embedding)), VirtOwnForward),
@@ -195,7 +199,7 @@ def virtualize(
             raise ModelMismatchError(f"the executor serves unit {unit.id!r}, which this model does not have")
         name, module = found[-1]
         mixin = _shim_mixin(module, unit.id)
-        w = module.weight
+        w = patches.linear_weight(module.weight) if mixin is VirtPatchConv else module.weight
         if w.dtype != served_dtype:
             raise ModelMismatchError(
                 f"unit {unit.id!r}: the model holds {w.dtype}, the executor serves {served_dtype}; "

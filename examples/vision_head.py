@@ -3,7 +3,7 @@
 Builds a small LLaVA-style model (CLIP vision tower, projector, Llama) from a config with seeded
 random weights, saves it, and starts `base-executor serve` on it. A tenant builds its model from
 the executor alone (`connect(url).model()`: the vision tower's and projector's Linears are served,
-the patch convolution and norms are the tenant's), puts a small classification head on the
+and the patch convolution are served, the norms are the tenant's), puts a small classification head on the
 hidden state of the prompt's last token, and trains the head together with a LoRA adapter on the
 vision tower, through the executor, on a synthetic task: which quadrant of a 32 x 32 image holds a
 bright square. Then it compares, per image, the head's answer (one forward pass) with generating
