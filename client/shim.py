@@ -383,13 +383,22 @@ class VirtScaledEmbedding(VirtLayer):
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
+def _plain_new(cls, *args, **kwargs):
+    """A shim class called like the class it replaces makes a plain instance of that class: PEFT
+    builds a convolution adapter's own layers as type(base_layer)(...), which must be ordinary
+    convolutions, not shims. (With no arguments, as copy protocols call it: a bare shim.)"""
+    if not args and not kwargs:
+        return object.__new__(cls)
+    return cls.__bases__[1](*args, **kwargs)
+
+
 def make_shim(module: nn.Module, mixin: type, unit: pb.UnitInfo, transport, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A shim standing in for `module`: an instance of a subclass of type(module) whose forward
     is `mixin`'s, whose parameters are placeholders and whose other state is module's."""
     cls = type(module)
     key = (mixin, cls)
     if key not in _CLASSES:
-        _CLASSES[key] = type(f"Virt{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        _CLASSES[key] = type(f"Virt{cls.__name__}", (mixin, cls), {"__module__": __name__, "__new__": _plain_new})
     shim = _CLASSES[key].__new__(_CLASSES[key])
     state = dict(module.__dict__)
     state["_parameters"] = {}

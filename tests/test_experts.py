@@ -92,3 +92,30 @@ def test_lora_on_the_served_expert_weights(tmp_path):
         for m in (ref, virt):
             m(input_ids=x, labels=x).loss.backward()
         assert_grads_close(lora_grads(ref), lora_grads(virt))
+
+
+@pytest.mark.parametrize("method", ["lora", "loha"])
+@pytest.mark.parametrize("order", ["peft-then-virtualize", "virtualize-then-peft"])
+def test_moe_peft_methods_either_side_of_virtualize(tmp_path, method, order):
+    """Mixtral with its experts served: LoRA (on attention and the router) and LoHa (on attention:
+    PEFT's LoHa takes no router), made before or after virtualize, give the unsplit model's adapter
+    gradients."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
+
+    def adapted(m):
+        config = (LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate"], init_lora_weights=False) if method == "lora"
+                  else LoHaConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(6)
+            return get_peft_model(m, config)
+
+    _build("mixtral").save_pretrained(tmp_path)
+    with running_executor(str(tmp_path)) as ex:
+        ref = adapted(_build("mixtral", "eager"))
+        virt = virtualize(adapted(_build("mixtral")), ex.url) if order == "peft-then-virtualize" else adapted(virtualize(_build("mixtral"), ex.url))
+        x = ids(2, 9)
+        for m in (ref, virt):
+            m(input_ids=x, labels=x).loss.backward()
+        want = lora_grads(ref)
+        assert method != "lora" or any(".gate." in n for n in want), "the router's adapter is trained"
+        assert_grads_close(want, lora_grads(virt))

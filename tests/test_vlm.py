@@ -1,9 +1,10 @@
 """Vision-language models (issue 22): a LLaVA-style model (CLIP vision tower, projector, Llama)
 built from a tiny config, saved and served by a real executor. The vision tower's and the
-projector's Linears are served like the language model's; what stays with the tenant is its
-patch convolution, norms and attention. Exact against the unsplit model with images: logits,
-greedy `generate`, LoRA gradients on the language and the vision side; and a tenant's model built
-from the executor's skeleton alone."""
+projector's Linears are served like the language model's, and its patch convolution (as a Linear
+over patches, proto/patches.py); what stays with the tenant is its norms and attention. Against the
+unsplit model with images: logits (within 1e-5: the patch GEMM), greedy `generate`, LoRA and LoHa
+gradients on the language and the vision side, the adapter made before or after virtualize; and a
+tenant's model built from the executor's skeleton alone."""
 from __future__ import annotations
 
 import pytest
@@ -137,3 +138,30 @@ def test_a_patch_convolution_is_a_linear_over_its_patches(conv, shape):
     torch.testing.assert_close(gx, wx, rtol=1e-5, atol=1e-6)
     for other in (torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 4, stride=2), torch.nn.Conv2d(4, 8, 2, stride=2, groups=2)):
         assert not patches.is_patch_conv(other)
+
+
+@pytest.mark.parametrize("method", ["lora", "loha"])
+@pytest.mark.parametrize("order", ["peft-then-virtualize", "virtualize-then-peft"])
+def test_llava_peft_methods_either_side_of_virtualize(llava, method, order):
+    """LoRA (on q/v of both towers and on the served patch convolution) and LoHa, made before or
+    after virtualize: the adapter gradients of a loss on images equal the unsplit model's."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
+
+    ex, load = llava
+
+    def adapted(model):
+        config = (LoraConfig(r=4, target_modules=r".*(q_proj|v_proj|patch_embedding)", init_lora_weights=False) if method == "lora"
+                  else LoHaConfig(r=4, target_modules=r".*(q_proj|v_proj)", init_weights=False))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            return get_peft_model(model, config)
+
+    ref = adapted(load())
+    virt = virtualize(adapted(load()), ex.url) if order == "peft-then-virtualize" else adapted(virtualize(load(), ex.url))
+    ids, pixels = inputs(seed=4)
+    for m in (ref, virt):
+        m(input_ids=ids, pixel_values=pixels, labels=ids).loss.backward()
+    want = lora_grads(ref)
+    if method == "lora":
+        assert any("patch_embedding" in n for n in want), "the served patch convolution's LoRA is trained"
+    assert_grads_close(want, lora_grads(virt))
