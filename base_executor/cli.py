@@ -22,9 +22,10 @@ import time  # noqa: E402
 from symbiont.base_executor import models  # noqa: E402
 
 
-def _host_provider_adapters(core, directory: str, log) -> None:
+def _host_provider_adapters(core, directory: str, log, sharded: bool = False) -> None:
     """Hosts every PEFT LoRA adapter under `directory` (a subdirectory each, or the directory
-    itself) as the provider's: shared by every tenant, named after its directory."""
+    itself) as the provider's: shared by every tenant, named after its directory. A rank of a
+    sharded executor hosts each adapter's share of its own units."""
     import pathlib
 
     from symbiont.base_executor.adapters import PROVIDER, AdapterError
@@ -38,7 +39,12 @@ def _host_provider_adapters(core, directory: str, log) -> None:
     for d in found:
         try:
             state, config = load_peft_dir(d)
-            core.adapters.host(PROVIDER, pb.HostAdapterRequest(name=d.name, weights=peft_weights(state, config)))
+            weights = peft_weights(state, config)
+            if sharded:  # this rank hosts the share of the units it serves (none: it holds nothing of it)
+                weights = [w for w in weights if core.table.get(w.unit) is not None]
+                if not weights:
+                    continue
+            core.adapters.host(PROVIDER, pb.HostAdapterRequest(name=d.name, weights=weights))
         except (AdapterError, ValueError) as e:
             raise SystemExit(f"--adapters: {d}: {e}") from None
     log.info("hosting %d adapters of the provider: %s", len(found), ", ".join(d.name for d in found))
@@ -159,13 +165,11 @@ def _serve(args: argparse.Namespace) -> int:
     core.tp = tp
     core.adapters.max_tenant_bytes = int(args.max_tenant_adapter_mb * 2**20)
     core.adapters.pool_bytes = int(args.adapter_pool_mb * 2**20)
+    if (args.adapters or args.merge == "auto") and tp is not None:
+        raise SystemExit("--adapters, --merge auto: hosted adapters are not served under tensor placement yet (layer placement hosts them)")
     if args.adapters:
-        if shard is not None:
-            raise SystemExit("--adapters: hosted adapters are not served by a sharded executor yet")
-        _host_provider_adapters(core, args.adapters, log)
+        _host_provider_adapters(core, args.adapters, log, sharded=shard is not None)
     if args.merge == "auto":
-        if shard is not None:
-            raise SystemExit("--merge auto: hosted adapters are not served by a sharded executor yet")
         from symbiont.base_executor.adapters import MergeOrchestrator
 
         try:

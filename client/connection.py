@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from symbiont.client.errors import InvalidCallError
 from symbiont.client.transport import Transport, open_transport
 from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
@@ -111,17 +112,53 @@ class Connection:
             state, config = source.state_dict(), configs[adapter_name].to_dict()
         weights = peft_weights(state, config, adapter_name)
         self.ensure_attached(device if device is not None else "cpu")
-        return self.transport.control("host_adapter", pb.HostAdapterRequest(name=name, weights=weights)).host_adapter
+        if len(self.transports) == 1:
+            return self.transport.control("host_adapter", pb.HostAdapterRequest(name=name, weights=weights)).host_adapter
+        # a sharded executor: each rank hosts the adapter's share of the units it serves
+        rank_of = {u.id: u.rank for u in self.catalog().units}
+        shares: dict[int, list] = {}
+        for w in weights:  # (a unit no rank serves goes to rank 0, which refuses it by name)
+            shares.setdefault(rank_of.get(w.unit, 0), []).append(w)
+        infos = []
+        try:
+            for rank, share in sorted(shares.items()):
+                infos.append(self.transports[rank].control("host_adapter", pb.HostAdapterRequest(name=name, weights=share)).host_adapter)
+        except Exception:
+            for rank in sorted(shares)[: len(infos)]:  # (all or nothing)
+                self.transports[rank].control("remove_adapter", pb.RemoveAdapterRequest(name=name))
+            raise
+        return _merged_info(infos)
 
     def adapters(self, name: str = "") -> list[pb.AdapterInfo]:
         """The hosted adapters this tenant may name (its own and the provider's), or the one called `name`."""
+        return [_merged_info([info for _, info in infos]) for infos in self._adapters_by_rank(name).values()]
+
+    def _adapters_by_rank(self, name: str = "") -> dict[str, list[tuple[int, pb.AdapterInfo]]]:
+        """Each hosted adapter's (rank, info) at every rank that holds a share of it."""
         self.ensure_attached()
-        return list(self.transport.control("adapters", pb.AdaptersRequest(name=name)).adapters.adapters)
+        found: dict[str, list[tuple[int, pb.AdapterInfo]]] = {}
+        for rank, t in enumerate(self.transports):
+            try:
+                reply = t.control("adapters", pb.AdaptersRequest(name=name))
+            except InvalidCallError:
+                if len(self.transports) == 1:
+                    raise
+                continue  # (this rank holds none of it)
+            for info in reply.adapters.adapters:
+                found.setdefault(info.name, []).append((rank, info))
+        if name and not found:
+            raise InvalidCallError(f"no adapter named {name!r} is hosted for this tenant")
+        return found
+
+    def adapter_ids(self, name: str) -> dict[int, int]:
+        """The hosted adapter's id at each rank that holds a share of it (ids are per rank)."""
+        return {rank: info.id for rank, info in self._adapters_by_rank(name)[name]}
 
     def remove_adapter(self, name: str) -> None:
         """Drops one of this tenant's hosted adapters (calls already sent still get it)."""
-        self.ensure_attached()
-        self.transport.control("remove_adapter", pb.RemoveAdapterRequest(name=name))
+        holders = [rank for rank, _ in self._adapters_by_rank(name)[name]] if len(self.transports) > 1 else [0]
+        for rank in holders:
+            self.transports[rank].control("remove_adapter", pb.RemoveAdapterRequest(name=name))
 
     def config(self):
         from transformers import AutoConfig
@@ -265,3 +302,16 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def _merged_info(infos: list[pb.AdapterInfo]) -> pb.AdapterInfo:
+    """One adapter's info over the ranks that hold its shares (its id: the first rank's; ids are
+    per rank, Connection.adapter_ids)."""
+    if len(infos) == 1:
+        return infos[0]
+    merged = pb.AdapterInfo(name=infos[0].name, id=infos[0].id, shared=infos[0].shared)
+    for info in infos:
+        merged.units.extend(info.units)
+        merged.ranks.extend(info.ranks)
+        merged.bytes += info.bytes
+    return merged

@@ -221,11 +221,12 @@ def virtualize(
     conn.ensure_attached(device)
     hosted = _hosted_adapter(conn, adapter, {unit.id for _, _, _, unit in plan}, mask) if adapter else None
     adapted = set(hosted.units) if hosted else set()
+    hosted_ids = (conn.adapter_ids(adapter) if len(conn.transports) > 1 else {0: hosted.id}) if hosted else {}  # (ids are per rank)
     shims = {}
     for name, module, mixin, unit in plan:
         shim = shims[unit.id] = make_shim(module, mixin, unit, conn.transport_for(unit), served_dtype, device)
         if unit.id in adapted:
-            shim._adapter = hosted.id
+            shim._adapter = hosted_ids[unit.rank]
         _replace(root, name, shim)
     expert_refs = []
     for name, (module, units) in served_experts.items():

@@ -152,3 +152,38 @@ def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang(plac
                 virt(x)
     finally:
         ex.stop()
+
+
+def test_hosted_adapters_on_a_layer_placed_executor(tmp_path):
+    """Two ranks, layer placement: a tenant's hosted adapter (each rank keeps its units' share, with
+    its own id) and a provider's (`--adapters`) give the PEFT models' logits and greedy tokens;
+    listing shows one adapter over both ranks; removed, it is gone from both; tensor placement
+    refuses hosted adapters with a typed error."""
+    from symbiont.client.errors import InvalidCallError
+
+    name = "tiny-llama"
+    shared = lora_model(name, seed=13).eval()
+    shared.save_pretrained(tmp_path / "team")
+    with running_executor(name, "--devices", "cpu,cpu", "--placement", "layers", "--adapters", str(tmp_path)) as ex:
+        conn = connect(ex.url)
+        own = lora_model(name, seed=14).eval()
+        info = conn.host_adapter("own", own)
+        assert sorted(info.units) == sorted(f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj"))
+        assert set(conn.adapter_ids("own")) == {0, 1}, "each rank holds a share (tiny-llama: a layer each)"
+        listed = {i.name: i for i in conn.adapters()}
+        assert set(listed) == {"own", "team"} and len(listed["own"].units) == 4 and listed["team"].shared
+        x = ids(1, 7)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for adapter, ref in (("own", own), ("team", shared)):
+            virt = virtualize(build_builtin(name), conn, adapter=adapter)
+            with torch.no_grad():
+                torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-6, atol=1e-6)
+            assert torch.equal(virt.generate(x, **kw), ref.generate(x, **kw))
+        conn.remove_adapter("own")
+        assert [i.name for i in conn.adapters()] == ["team"]
+        with pytest.raises(InvalidCallError, match="no adapter named"):
+            conn.adapter_ids("own")
+        conn.close()
+    with running_executor(name, "--devices", "cpu,cpu", "--placement", "tensor") as ex, connect(ex.url) as conn:
+        with pytest.raises(InvalidCallError, match="tensor placement"):
+            conn.host_adapter("own", lora_model(name, seed=14))

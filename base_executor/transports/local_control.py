@@ -126,8 +126,9 @@ class LocalControl:
         registry = self.core.adapters
         try:
             if kind == "host_adapter":
-                if self.core.tp is not None or len(self.catalog.shards) > 1:
-                    return control_error(pb.INVALID_ARGUMENT, "hosted adapters are not served by a sharded executor yet")
+                if self.core.tp is not None:
+                    return control_error(pb.INVALID_ARGUMENT, "hosted adapters are not served under tensor placement yet "
+                                         "(layer placement hosts them: each rank its units' share)")
                 adapter = registry.host(owner, req.host_adapter)
                 log.info("tenant %d hosted adapter %r (%d units)", owner, adapter.name, len(adapter.deltas))
                 return pb.ControlReply(status=_OK, host_adapter=adapter.info())
