@@ -63,6 +63,13 @@ class Delta:
 
     def add_to(self, op: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """Adds this delta's term for `op` on input rows x ([tokens, d_in]) to y ([tokens, d_out]) in place."""
+        if self.a.is_cuda and not torch.cuda.is_current_stream_capturing():
+            # read on this stream (the data loop's, a tenant's): the allocator must not hand the
+            # weights' memory to anyone before it is done, whenever the last reference goes
+            # (an adapter paged out or removed while a call of it is still queued on the GPU)
+            stream = torch.cuda.current_stream(self.a.device)
+            self.a.record_stream(stream)
+            self.b.record_stream(stream)
         xa = x.to(self.a.device, self.a.dtype)
         if op == pb.BACKWARD:
             term = (xa * self.scale) @ self.b @ self.a
@@ -152,6 +159,7 @@ class AdapterRegistry:
         self._copy_stream = None  # a GPU executor's stream for paging adapters in
         self.hits = self.misses = self.evictions = 0
         self._resident = 0  # paged: the device copies' bytes
+        self._paged_in = False  # an adapter was paged in since the last eviction
         self._by_id: dict[int, Adapter] = {}
         self._by_name: dict[tuple[int, str], Adapter] = {}  # (owner, name)
         self._next = 1
@@ -186,9 +194,23 @@ class AdapterRegistry:
                 self.hits += count
                 return adapter.resident
             self.misses += count
-            adapter.resident = self._page_in(adapter)
-            self._resident += adapter.nbytes
-            return adapter.resident
+            copies = self._page_in(adapter)
+            self._paged_in = True
+            if self._by_id.get(adapter.id) is adapter:  # (removed meanwhile: the call gets it, the pool does not)
+                adapter.resident = copies
+                self._resident += adapter.nbytes
+            return copies
+
+    def touch(self, adapter_id: int, calls: int) -> None:
+        """`calls` calls of a native lane named the adapter: hits, and it is recent."""
+        if not self.pool_bytes:
+            return
+        with self._paging:
+            self.hits += calls
+            adapter = self._by_id.get(adapter_id)
+            if adapter is not None:
+                self._clock += 1
+                adapter.last_used = self._clock
 
     def _page_in(self, adapter: Adapter) -> dict[str, Delta]:
         if self.device.type != "cuda":
@@ -209,12 +231,23 @@ class AdapterRegistry:
     def over_budget(self) -> bool:
         return bool(self.pool_bytes) and self.resident_bytes() > self.pool_bytes
 
+    def needs_eviction(self) -> bool:
+        """Over budget since an adapter was last paged in (cheap: the data loop asks every turn)."""
+        return self._paged_in and self.over_budget()
+
+    def evictable(self) -> bool:
+        """Whether evict() would page anything out (the pool over budget, an adapter other than the
+        merged one resident)."""
+        merged = self.merged.adapter if self.merged is not None else None
+        return self.over_budget() and any(a.resident is not None and a is not merged for a in list(self._by_id.values()))
+
     def evict(self) -> list[Adapter]:
         """Drops the device copies of the least recently used adapters until the resident ones fit
         the pool (never the merged one). The caller makes sure no queued GPU work reads them, and
         drops what else refers to them (graphs): returned."""
         evicted = []
         with self._paging:
+            self._paged_in = False
             merged = self.merged.adapter if self.merged is not None else None
             for adapter in sorted((a for a in self._by_id.values() if a.resident is not None), key=lambda a: a.last_used):
                 if self._resident <= self.pool_bytes:
@@ -233,7 +266,8 @@ class AdapterRegistry:
         name = req.name
         if not name or len(name) > 200:
             raise AdapterError(pb.INVALID_ARGUMENT, "an adapter needs a name of 1 to 200 characters")
-        if (owner, name) in self._by_name or (PROVIDER, name) in self._by_name:
+        if (owner, name) in self._by_name or (PROVIDER, name) in self._by_name or (
+                owner == PROVIDER and any(a.name == name for a in self._by_id.values())):
             raise AdapterError(pb.INVALID_ARGUMENT, f"an adapter named {name!r} is already hosted")
         if len(self._by_id) >= MAX_ADAPTERS:
             raise AdapterError(pb.RESOURCE_EXHAUSTED, f"the executor hosts {MAX_ADAPTERS} adapters already")
@@ -302,8 +336,8 @@ class AdapterRegistry:
             self._drop(adapter)
 
     def _drop(self, adapter: Adapter) -> None:
-        if adapter.resident is not None:
-            with self._paging:
+        with self._paging:
+            if adapter.resident is not None:
                 adapter.resident = None
                 self._resident -= adapter.nbytes
         del self._by_id[adapter.id]

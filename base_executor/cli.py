@@ -164,6 +164,8 @@ def _serve(args: argparse.Namespace) -> int:
     core = ExecutorCore(table, dtype, device, sched)
     core.tp = tp
     core.adapters.max_tenant_bytes = int(args.max_tenant_adapter_mb * 2**20)
+    if args.adapter_pool_mb < 0 or args.merge_max_mb < 0:
+        raise SystemExit("--adapter-pool-mb and --merge-max-mb must be >= 0")
     core.adapters.pool_bytes = int(args.adapter_pool_mb * 2**20)
     if (args.adapters or args.merge == "auto") and tp is not None:
         raise SystemExit("--adapters, --merge auto: hosted adapters are not served under tensor placement yet (layer placement hosts them)")

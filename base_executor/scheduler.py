@@ -116,6 +116,7 @@ class Scheduler:
         self.queued_tokens = 0
         self.waits_us = {pb.TRAINING: collections.deque(maxlen=WAIT_WINDOW), pb.INFERENCE: collections.deque(maxlen=WAIT_WINDOW)}
         self._rate = 0.0  # tokens per second the queues drain at, smoothed (the retry hint)
+        self._wait_ema = {pb.TRAINING: 0.0, pb.INFERENCE: 0.0}  # seconds each class's calls waited lately (budgets)
         self._last_pop = None
 
     def admit(self, call: Call) -> None:
@@ -131,11 +132,14 @@ class Scheduler:
             why = f"the executor is saturated: {self.queued_tokens} tokens queued (at most {c.max_queued_tokens})"
         if why is not None:
             raise Refused(why, self.retry_after_s(call.tenant))
-        if call.budget_s and self.queued_tokens:
-            expected = self.queued_tokens / self._rate if self._rate > 0 else float("inf")
+        # A call's expected wait: what its class's calls waited lately, while anything is queued (the
+        # queues empty, it runs as soon as its batch forms). Lockstep waits for tenants, not for work:
+        # a budget would refuse the very call the queues wait for, so it is not checked there.
+        if call.budget_s and self.queued_tokens and c.policy != "lockstep":
+            expected = self._wait_ema[call.latency]
             if expected > call.budget_s:
-                raise Refused(f"the {self.queued_tokens} tokens queued ahead would take ~{min(expected, 99.0) * 1e3:.1f} ms, "
-                              f"past the call's budget of {call.budget_s * 1e3:.3f} ms", self.retry_after_s(), pb.OVER_BUDGET)
+                raise Refused(f"calls of its class waited ~{expected * 1e3:.3f} ms lately with {self.queued_tokens} tokens "
+                              f"queued, past the call's budget of {call.budget_s * 1e3:.3f} ms", self.retry_after_s(), pb.OVER_BUDGET)
 
     def retry_after_s(self, tenant: int | None = None) -> float:
         """About how long the queued tokens (`tenant`'s, or everyone's) take to drain."""
@@ -171,7 +175,8 @@ class Scheduler:
         return us * 1e-6
 
     def next_deadline(self) -> float | None:
-        d = min((q[0].arrived + self._wait_s(k) for k, q in self._queues.items()), default=None)
+        heads = {order[0] for order in self._order.values()}  # (only a tenant's oldest call may run)
+        d = min((c.arrived + self._wait_s(k) for k, q in self._queues.items() for c in q if c in heads), default=None)
         return None if d == float("inf") else d
 
     def pop_batch(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Call]:
@@ -185,8 +190,9 @@ class Scheduler:
         best, best_rank, best_ready = None, None, None
         starve = self.config.starve_us * 1e-6
         heads = {order[0] for order in self._order.values()}  # the calls that may run now: each tenant's oldest
+        every = len(heads) == self.pending()
         for key, q in self._queues.items():
-            ready = [c for c in q if c in heads] if len(heads) < self.pending() else list(q)
+            ready = list(q) if every else [c for c in q if c in heads]
             if not ready:
                 continue
             due = (
@@ -218,6 +224,7 @@ class Scheduler:
         for c in batch:
             self._forget(best, c)
             self.waits_us[c.latency].append((now - c.arrived) * 1e6)
+            self._wait_ema[c.latency] = 0.8 * self._wait_ema[c.latency] + 0.2 * (now - c.arrived)
         if not q:
             del self._queues[best], self._tokens[best], self._inference[best]
         if self._last_pop is not None and now > self._last_pop:

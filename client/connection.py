@@ -133,10 +133,10 @@ class Connection:
         """The hosted adapters this tenant may name (its own and the provider's), or the one called `name`."""
         return [_merged_info([info for _, info in infos]) for infos in self._adapters_by_rank(name).values()]
 
-    def _adapters_by_rank(self, name: str = "") -> dict[str, list[tuple[int, pb.AdapterInfo]]]:
-        """Each hosted adapter's (rank, info) at every rank that holds a share of it."""
+    def _adapters_by_rank(self, name: str = "") -> dict[tuple[str, bool], list[tuple[int, pb.AdapterInfo]]]:
+        """Each hosted adapter's (rank, info) at every rank that holds a share of it, by (name, shared)."""
         self.ensure_attached()
-        found: dict[str, list[tuple[int, pb.AdapterInfo]]] = {}
+        found: dict[tuple[str, bool], list[tuple[int, pb.AdapterInfo]]] = {}
         for rank, t in enumerate(self.transports):
             try:
                 reply = t.control("adapters", pb.AdaptersRequest(name=name))
@@ -145,19 +145,21 @@ class Connection:
                     raise
                 continue  # (this rank holds none of it)
             for info in reply.adapters.adapters:
-                found.setdefault(info.name, []).append((rank, info))
+                found.setdefault((info.name, info.shared), []).append((rank, info))
         if name and not found:
             raise InvalidCallError(f"no adapter named {name!r} is hosted for this tenant")
         return found
 
     def adapter_ids(self, name: str) -> dict[int, int]:
-        """The hosted adapter's id at each rank that holds a share of it (ids are per rank)."""
-        return {rank: info.id for rank, info in self._adapters_by_rank(name)[name]}
+        """The hosted adapter's id at each rank that holds a share of it (ids are per rank; a
+        tenant's own adapter before the provider's of that name, as the executor resolves it)."""
+        found = self._adapters_by_rank(name)
+        return {rank: info.id for rank, info in found.get((name, False)) or found[(name, True)]}
 
     def remove_adapter(self, name: str) -> None:
         """Drops one of this tenant's hosted adapters (calls already sent still get it)."""
-        holders = [rank for rank, _ in self._adapters_by_rank(name)[name]] if len(self.transports) > 1 else [0]
-        for rank in holders:
+        holders = [rank for rank, _ in self._adapters_by_rank(name).get((name, False), [])] if len(self.transports) > 1 else []
+        for rank in holders or [0]:  # (none of its own: rank 0 answers why, typed)
             self.transports[rank].control("remove_adapter", pb.RemoveAdapterRequest(name=name))
 
     def config(self):

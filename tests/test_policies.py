@@ -137,12 +137,12 @@ def test_a_tenants_calls_run_in_the_order_it_sent_them(model, policy):
 
 
 def test_a_call_that_would_wait_past_its_budget_is_refused_at_once(model):
-    core = core_for(model, max_wait_us=0)
-    for t in (0.0, 0.001):  # a drain rate: 8 tokens a millisecond
+    core = core_for(model, max_wait_us=5000)
+    for t in (0.0, 1.0, 2.0):  # calls of the training class wait 5 ms for a batch
         core.submit(call(core, 1, Q, 8, t=t))
-        core.step(now=t, can_grow=False)
-    core.submit(call(core, 2, K, 80, t=0.002))  # ~10 ms of tokens queued
-    tight, loose, none = (call(core, 3, V, 1, t=0.002, seed=s) for s in (3, 4, 5))
+        assert core.step(now=t + 0.006, attached=2)
+    core.submit(call(core, 2, K, 8, t=3.0))  # something queued
+    tight, loose, none = (call(core, 3, V, 1, t=3.0, seed=s) for s in (3, 4, 5))
     tight.budget_s, loose.budget_s = 0.001, 0.1
     with pytest.raises(CallError, match="budget of 1.000 ms") as e:
         core.submit(tight)
@@ -150,3 +150,20 @@ def test_a_call_that_would_wait_past_its_budget_is_refused_at_once(model):
     core.submit(loose)
     core.submit(none)
     assert core.scheduler.pending() == 3 and core.counters.refused == 1
+    core.step(now=3.01, can_grow=False, attached=4)
+    while core.scheduler.pending():
+        core.step(now=3.02, can_grow=False, attached=4)
+    tight.budget_s = 0.001
+    core.submit(tight)  # nothing queued: it runs as soon as its batch forms
+    assert core.scheduler.pending() == 1
+
+
+def test_lockstep_never_refuses_a_call_for_its_budget(model):
+    """Under lockstep the queues wait for tenants: refusing one for its budget would refuse the very
+    call the others wait for."""
+    core = core_for(model, policy="lockstep")
+    core.submit(call(core, 1, Q, 3, t=0.0))
+    late = call(core, 2, Q, 3, t=9.0, seed=1)
+    late.budget_s = 1e-6
+    core.submit(late)
+    assert sorted(r.call.tenant for r in core.step(now=9.0, attached=2)) == [1, 2]

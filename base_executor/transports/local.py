@@ -213,7 +213,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             orchestrator = self.core.orchestrator
             if orchestrator is not None and (orchestrator.due(now) or self.core.adapters.dropped_merge):
                 self._orchestrate(now)
-            if self.core.adapters.over_budget() and not self._gpu_waits():
+            if self.core.adapters.needs_eviction() and not self._gpu_waits():
                 self._evict_adapters()
             if ran or got:
                 continue

@@ -136,7 +136,8 @@ class LocalCalls:
         reply.ClearField("call_id")
         areas.lane_keys[call.graph_key] = header
         areas.lane.learn(header, int(graph.raw_cuda_graph_exec()), reply.SerializeToString(), len(areas.lane_units))
-        areas.lane_units.append((call.unit, call.op, call.tokens, call.latency, t.id, call.adapter_id, call.merge_epoch))
+        unit = self.core.table.get(call.unit.id) if call.merge_epoch else call.unit  # (not a merged copy: it goes)
+        areas.lane_units.append((unit, call.op, call.tokens, call.latency, t.id, call.adapter_id, call.merge_epoch))
         if call.tokens < self.config.solo_tokens or not self.config.solo_tokens:
             areas.lane_small = True  # it knows a call others could join: it serves only while t is alone
 
@@ -168,8 +169,13 @@ class LocalCalls:
                 torch.cuda.synchronize(self.core.device)
             registry.dropped_merge = False
             if target is not None:
-                old = registry.unmerge()
-                merged = registry.merge(target) if target else None
+                old, merged = registry.unmerge(), None
+                try:
+                    if target and registry.get(target) is not None:  # (removed meanwhile: nothing to merge)
+                        merged = registry.merge(target)
+                except Exception as e:  # (out of memory for the copies, ...): stay unmerged, serve on
+                    log.warning("merged mode: merging adapter %d failed (%s: %s); calls compute it per call",
+                                target, type(e).__name__, e)
                 orchestrator.switched(merged.switch_s if merged is not None else 0.0)
                 log.info("merged mode: %s -> %s%s", old.adapter.name if old is not None else "none",
                          merged.adapter.name if merged is not None else "none",
@@ -180,7 +186,11 @@ class LocalCalls:
         """Data loop, between batches, no stream of ours waiting on a tenant: pages out the least
         recently used hosted adapters past the pool's budget; the graphs and lanes that computed
         them forget those calls (our GPU synchronised first: no replay still queued reads them)."""
+        self._fold_lanes()  # (the lanes' calls make their adapters recent)
         with self.lock:
+            if not self.core.adapters.evictable():
+                self.core.adapters.evict()  # (nothing to page out: only clears the mark until the next page-in)
+                return
             if self.core.device.type == "cuda":
                 torch.cuda.synchronize(self.core.device)
             gone = {a.id for a in self.core.adapters.evict()}
@@ -219,7 +229,8 @@ class LocalCalls:
         provider's) forget the calls naming it: they go to Python again, which refuses them (caller
         holds the lock)."""
         for t in self.tenants.values() if owner == PROVIDER else filter(None, [self.tenants.get(owner)]):
-            for key in [k for k in t.areas.lane_keys if k[0] is ADAPTED and k[1] == adapter]:
+            for key in [k for k in t.areas.lane_keys
+                        if (k[0] is ADAPTED and k[1] == adapter) or (k[0] is MERGED and k[2] == adapter)]:
                 self._unlearn(t.areas, key)
 
     def _serve_lane(self, t: Tenant) -> int:
@@ -246,7 +257,7 @@ class LocalCalls:
             k.per_tenant_tokens[tenant] += n * tokens
             if adapter:
                 k.adapter_calls += n
-                self.core.adapters.hits += n if self.core.adapters.pool_bytes else 0  # (a lane's adapter is on the device)
+                self.core.adapters.touch(adapter, n)  # (a lane's adapter is on the device: hits, and recent)
                 if self.core.orchestrator is not None:
                     self.core.orchestrator.note(adapter, n * tokens, bool(epoch))
             k.graph_replays += n
