@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import inspect
 import json
 import pathlib
 import re
@@ -49,6 +50,9 @@ CONSISTENT = {
 }
 
 
+IMAGE_TOKEN = 250  # a vision-language model's image token id in the shrunk vocabulary (text ids stay below it)
+
+
 def tiny_config(model_type: str, nested: bool = False):
     """With `nested`, the sub-configs are shrunk too (a vision-language model's text, vision, ...
     configs; the causal-LM walk leaves them as its published figures were measured)."""
@@ -60,6 +64,10 @@ def tiny_config(model_type: str, nested: bool = False):
         sub = getattr(config, name, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
             _shrink(sub, getattr(sub, "model_type", ""))
+    for key in ("image_token_id", "image_token_index") if nested else ():  # (inside the shrunk vocabulary:
+        v = getattr(config, key, None)  # the image check's prompts carry it; text prompts stay below IMAGE_TOKEN)
+        if isinstance(v, int) and v >= IMAGE_TOKEN:
+            setattr(config, key, IMAGE_TOKEN)
     return config
 
 
@@ -127,6 +135,58 @@ def lora_step(model, targets, x) -> dict:
     return lora_grads(m)
 
 
+def _image_inputs(model, config):
+    """An image and a prompt holding as many image tokens as the model makes of it: the vision
+    tower's features counted by the model's own get_image_features (no processor needed); raises
+    when the model wants more than pixel_values (grids, sizes, masks) or names no image token."""
+    import torch
+
+    vision = getattr(config, "vision_config", None)
+    size = getattr(vision, "image_size", None)
+    token = getattr(config, "image_token_id", None)
+    token = getattr(config, "image_token_index", None) if token is None else token
+    if size is None or token is None:
+        raise ValueError("no vision_config.image_size or image token id")
+    h, w = (size[0], size[1]) if isinstance(size, (list, tuple)) else (size, size)
+    pixels = torch.randn(1, getattr(vision, "num_channels", 3), h, w, generator=torch.Generator().manual_seed(5))
+    inner = model.model if hasattr(model.model if hasattr(model, "model") else None, "get_image_features") else model
+    extra = {"image_sizes": torch.tensor([[h, w]])} if "image_sizes" in inspect.signature(inner.get_image_features).parameters else {}
+    with torch.no_grad():
+        feats = inner.get_image_features(pixel_values=pixels, **extra)
+    if hasattr(feats, "pooler_output") and not isinstance(feats, torch.Tensor):
+        feats = feats.pooler_output if feats.pooler_output is not None else feats[0]
+    parts = feats if isinstance(feats, (list, tuple)) else [feats]
+    n = sum(p.reshape(-1, p.shape[-1]).shape[0] for p in parts)
+    ids = torch.cat([torch.ones(1, 1, dtype=torch.long), torch.full((1, n), int(token)),
+                     torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(6))], 1)
+    return ids, dict(pixel_values=pixels, **extra)
+
+
+def images_check(load, url: str, config) -> str:
+    """With an image through the vision tower (served Linears and patch convolution): "exact"
+    (logits within 1e-4 of the unsplit model's, the same greedy tokens), or why not."""
+    import torch
+
+    from symbiont import virtualize
+
+    ref = load()
+    try:
+        ids, image = _image_inputs(ref, config)
+        with torch.no_grad():
+            want = ref(input_ids=ids, **image).logits
+    except Exception as e:
+        return f"no image input built: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    virt = virtualize(load(), url)
+    with torch.no_grad():
+        got = virt(input_ids=ids, **image).logits
+    if not torch.allclose(want, got, rtol=1e-4, atol=1e-4):
+        return f"logits differ: max |diff| {(want - got).abs().max().item():.3e}"
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if not torch.equal(ref.generate(input_ids=ids, **image, **kw), virt.generate(input_ids=ids, **image, **kw)):
+        return "greedy tokens differ"
+    return "exact"
+
+
 def check(model_type: str, kind: str = "causal-lm") -> dict:
     """One type, in this process: the first stage that fails and why, or stage "exact"."""
     import torch
@@ -150,7 +210,7 @@ def check(model_type: str, kind: str = "causal-lm") -> dict:
                 return auto.from_config(config).float().eval()
 
         ref = build()
-        x = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(3, 256 if kind == "causal-lm" else IMAGE_TOKEN, (2, 9), generator=torch.Generator().manual_seed(1))
         stage = "forward"
         with torch.no_grad():
             want = ref(input_ids=x).logits
@@ -210,9 +270,14 @@ def check(model_type: str, kind: str = "causal-lm") -> dict:
                         return {"stage": stage, "why": f"{name}: |diff| {err:.3e}, |grad| {scale:.3e}"}
                 if targets != "all-linear" and ref_failure.startswith("all-linear LoRA includes"):
                     return {"stage": "exact-linears", "why": f"LoRA on {targets} ({ref_failure})"}
+                images = ""
+                if kind == "image-text-to-text":
+                    stage = "images"
+                    images = images_check(load, ex.url, config)
                 if targets != "all-linear":
-                    return {"stage": "exact", "why": f"LoRA on {targets} (the unsplit model fails with all-linear: {ref_failure})"}
-        return {"stage": "exact", "why": ""}
+                    return {"stage": "exact", "why": f"LoRA on {targets} (the unsplit model fails with all-linear: {ref_failure})",
+                            "images": images}
+        return {"stage": "exact", "why": "", "images": images}
     except Exception as e:  # the stage says how far it got
         return {"stage": stage, "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
@@ -262,6 +327,12 @@ def main() -> int:
         print(f"{len(linears)} more exact with LoRA on their Linears only (all-linear LoRA on served expert weights is refused)")
     print(f"\n{len(exact)} exact of {len(built)} constructible ({len(rows)} {a.kind} types; the rest fail to build or "
           f"run from a shrunk default config)")
+    if a.kind == "image-text-to-text":
+        with_images = [r for r in exact if r.get("images") and not r["images"].startswith("no image input")]
+        print(f"with an image: {sum(r['images'] == 'exact' for r in with_images)} exact of the {len(with_images)} exact ones "
+              f"whose image input the harness could build from pixel_values alone")
+        for r in exact:
+            print(f"  {r['type']:<28} images: {r.get('images')}")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"coverage_{a.tag}.json"
