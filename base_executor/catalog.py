@@ -86,9 +86,13 @@ class UnitTable:
     def __init__(self, model: nn.Module):
         self.units: dict[str, Unit] = {}
         owner_of: dict[int, str] = {}
+        # torch's MultiheadAttention hands its out_proj's weight to F.multi_head_attention_forward
+        # instead of calling it (SigLIP's attention-pooling head): such a Linear stays with the tenant
+        read_by_parent = {f"{path}.out_proj" if path else "out_proj"
+                          for path, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
         for path, module in model.named_modules():
             kind = unit_kind(module)
-            if kind is None:
+            if kind is None or path in read_by_parent:
                 continue
             tied = owner_of.setdefault(id(module.weight), path)
             # a tied unit shares its owner's tensor object, so moving or counting dedupes it

@@ -271,9 +271,11 @@ def check(model_type: str, kind: str = "causal-lm") -> dict:
                 if targets != "all-linear" and ref_failure.startswith("all-linear LoRA includes"):
                     return {"stage": "exact-linears", "why": f"LoRA on {targets} ({ref_failure})"}
                 images = ""
-                if kind == "image-text-to-text":
-                    stage = "images"
-                    images = images_check(load, ex.url, config)
+                if kind == "image-text-to-text":  # (its outcome is reported beside the text checks', not instead)
+                    try:
+                        images = images_check(load, ex.url, config)
+                    except Exception as e:
+                        images = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 if targets != "all-linear":
                     return {"stage": "exact", "why": f"LoRA on {targets} (the unsplit model fails with all-linear: {ref_failure})",
                             "images": images}

@@ -165,3 +165,19 @@ def test_llava_peft_methods_either_side_of_virtualize(llava, method, order):
     if method == "lora":
         assert any("patch_embedding" in n for n in want), "the served patch convolution's LoRA is trained"
     assert_grads_close(want, lora_grads(virt))
+
+
+def test_a_multihead_attentions_out_proj_stays_with_the_tenant():
+    """torch's MultiheadAttention passes its out_proj's weight to F.multi_head_attention_forward
+    (SigLIP's attention-pooling head, in Cohere2-Vision and DeepSeek-VL): that Linear is no unit, so
+    the tenant keeps it and the model runs; a Linear beside it is served."""
+    from symbiont.base_executor.catalog import UnitTable
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mlp = torch.nn.Linear(16, 16)
+
+    table = UnitTable(Head())
+    assert "mlp" in table.units and "attention.out_proj" not in table.units
