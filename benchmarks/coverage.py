@@ -64,6 +64,10 @@ def tiny_config(model_type: str, nested: bool = False):
         sub = getattr(config, name, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
             _shrink(sub, getattr(sub, "model_type", ""))
+    vision = getattr(config, "vision_config", None) if nested else None
+    text = getattr(config, "text_config", None)
+    if isinstance(getattr(vision, "out_hidden_size", None), int) and isinstance(getattr(text, "hidden_size", None), int):
+        vision.out_hidden_size = text.hidden_size  # (the vision merger's output feeds the shrunk text model)
     for key in ("image_token_id", "image_token_index") if nested else ():  # (inside the shrunk vocabulary:
         v = getattr(config, key, None)  # the image check's prompts carry it; text prompts stay below IMAGE_TOKEN)
         if isinstance(v, int) and v >= IMAGE_TOKEN:
@@ -145,6 +149,14 @@ def _image_inputs(model, config):
     size = getattr(vision, "image_size", None)
     token = getattr(config, "image_token_id", None)
     token = getattr(config, "image_token_index", None) if token is None else token
+    merge, temporal = getattr(vision, "spatial_merge_size", None), getattr(vision, "temporal_patch_size", None)
+    if token is not None and merge and temporal:  # Qwen2-VL's kind: flattened patches, their grid, token types
+        grid = torch.tensor([[1, 2 * merge, 2 * merge]])
+        channels = getattr(vision, "in_channels", getattr(vision, "num_channels", 3))
+        pixels = torch.randn(int(grid.prod()), channels * temporal * vision.patch_size**2, generator=torch.Generator().manual_seed(5))
+        ids = torch.cat([torch.ones(1, 1, dtype=torch.long), torch.full((1, int(grid.prod()) // merge**2), int(token)),
+                         torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(6))], 1)
+        return ids, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == token).int())
     if size is None or token is None:
         raise ValueError("no vision_config.image_size or image token id")
     h, w = (size[0], size[1]) if isinstance(size, (list, tuple)) else (size, size)

@@ -31,6 +31,7 @@ def test_causal_lm_types_are_exact(model_type):
 @pytest.mark.parametrize("model_type", [
     "mistral3",     # a Pixtral vision tower: its patch convolution served as a Linear over patches
     "deepseek_vl",  # SigLIP with an attention-pooling head (MultiheadAttention keeps its out_proj)
+    "qwen2_vl",     # flattened patches through a served Conv3d, their grid, multimodal rotary positions
 ])
 def test_vision_language_types_are_exact_with_an_image(model_type):
     r = coverage.check(model_type, "image-text-to-text")
