@@ -339,3 +339,25 @@ def test_calls_bigger_than_split_bytes_go_in_chunks_of_rows():
                 assert torch.equal(want, got), f"split {split}: max |diff| {(want - got).abs().max().item():.3e}"
                 grew = conn.transport._data_bytes > 1 << 20
                 assert grew == (split == 0), (split, conn.transport._data_bytes)
+
+
+@pytest.mark.parametrize("method", ["lora", "loha"])
+@pytest.mark.parametrize("order", ["peft-then-virtualize", "virtualize-then-peft"])
+def test_modules_with_a_forward_of_their_own_under_peft_either_side(tmp_path, method, order):
+    """OPT (its positions an Embedding with a forward of its own) with LoRA or LoHa made before or
+    after virtualize: the unsplit model's adapter gradients."""
+    from peft import LoHaConfig, LoraConfig
+
+    from tests.conftest import running_executor
+
+    config = (LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False) if method == "lora"
+              else LoHaConfig(r=4, target_modules=["q_proj", "v_proj"], init_weights=False))
+    _tiny_opt().save_pretrained(tmp_path)
+    with running_executor(str(tmp_path)) as ex:
+        ref = _seeded_peft(_tiny_opt(), config)
+        virt = (virtualize(_seeded_peft(_tiny_opt(), config), ex.url) if order == "peft-then-virtualize"
+                else _seeded_peft(virtualize(_tiny_opt(), ex.url), config))
+        x = ids(2, 9)
+        for m in (ref, virt):
+            m(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
