@@ -156,7 +156,10 @@ def _image_inputs(model, config):
         pixels = torch.randn(int(grid.prod()), channels * temporal * vision.patch_size**2, generator=torch.Generator().manual_seed(5))
         ids = torch.cat([torch.ones(1, 1, dtype=torch.long), torch.full((1, int(grid.prod()) // merge**2), int(token)),
                          torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(6))], 1)
-        return ids, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == token).int())
+        image = dict(pixel_values=pixels, image_grid_thw=grid)
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # (M-RoPE's token types, where asked)
+            image["mm_token_type_ids"] = (ids == token).int()
+        return ids, image
     if size is None or token is None:
         raise ValueError("no vision_config.image_size or image token id")
     h, w = (size[0], size[1]) if isinstance(size, (list, tuple)) else (size, size)
