@@ -173,6 +173,12 @@ class AdapterRegistry:
     def get(self, adapter_id: int) -> Adapter | None:
         return self._by_id.get(adapter_id)
 
+    @property
+    def merged_adapter(self) -> Adapter | None:
+        """The adapter merged now (merged mode), if any."""
+        merged = self.merged
+        return merged.adapter if merged is not None else None
+
     def bytes(self) -> int:
         return sum(a.nbytes for a in list(self._by_id.values()))  # (a copy: stats read it without the lock)
 
@@ -235,27 +241,26 @@ class AdapterRegistry:
         """Over budget since an adapter was last paged in (cheap: the data loop asks every turn)."""
         return self._paged_in and self.over_budget()
 
-    def evictable(self) -> bool:
-        """Whether evict() would page anything out (the pool over budget, an adapter other than the
-        merged one resident)."""
-        merged = self.merged.adapter if self.merged is not None else None
-        return self.over_budget() and any(a.resident is not None and a is not merged for a in list(self._by_id.values()))
-
-    def evict(self) -> list[Adapter]:
+    def evict(self, before=None) -> list[Adapter]:
         """Drops the device copies of the least recently used adapters until the resident ones fit
-        the pool (never the merged one). The caller makes sure no queued GPU work reads them, and
-        drops what else refers to them (graphs): returned."""
-        evicted = []
+        the pool (never the merged one); returned, for the caller to drop what else refers to them
+        (graphs). before(): called first when there is any to drop (the caller's GPU synchronise:
+        no queued work may read them), never when there is none."""
         with self._paging:
             self._paged_in = False
-            merged = self.merged.adapter if self.merged is not None else None
+            merged = self.merged_adapter
+            over, evicted = self._resident - self.pool_bytes, []
             for adapter in sorted((a for a in self._by_id.values() if a.resident is not None), key=lambda a: a.last_used):
-                if self._resident <= self.pool_bytes:
+                if over <= 0:
                     break
                 if adapter is not merged:
-                    adapter.resident = None
-                    self._resident -= adapter.nbytes
                     evicted.append(adapter)
+                    over -= adapter.nbytes
+            if evicted and before is not None:
+                before()
+            for adapter in evicted:
+                adapter.resident = None
+                self._resident -= adapter.nbytes
             self.evictions += len(evicted)
         return evicted
 
@@ -342,7 +347,7 @@ class AdapterRegistry:
                 self._resident -= adapter.nbytes
         del self._by_id[adapter.id]
         del self._by_name[(adapter.owner, adapter.name)]
-        if self.merged is not None and self.merged.adapter is adapter:
+        if self.merged_adapter is adapter:
             self.merged = None
             self.dropped_merge = True  # (the data loop drops what refers to its copies: local_calls._orchestrate)
 

@@ -279,9 +279,14 @@ class ExecutorCore:
             self.counters.per_tenant_calls[c.tenant] += 1
             self.counters.per_tenant_tokens[c.tenant] += c.tokens
             if c.adapter_id:
-                self.counters.adapter_calls += 1
-                if self.orchestrator is not None:
-                    self.orchestrator.note(c.adapter_id, c.tokens, bool(c.merge_epoch))
+                self.count_adapter(c.adapter_id, 1, c.tokens, bool(c.merge_epoch))
+
+    def count_adapter(self, adapter_id: int, calls: int, tokens: int, merged: bool) -> None:
+        """Counts calls served that named hosted adapter `adapter_id` (also those a transport
+        served without the core), for the stats and the merge orchestrator."""
+        self.counters.adapter_calls += calls
+        if self.orchestrator is not None:
+            self.orchestrator.note(adapter_id, tokens, merged)
 
     def count(self, unit: Unit, op: int, calls: int, batches: int, tokens: int, latency: int = pb.TRAINING) -> None:
         """Counts calls served of one unit, `batches` batches of calls // batches calls each (also

@@ -174,8 +174,12 @@ class Scheduler:
         us = self.config.inference_wait_us if self._inference[key] else self.config.max_wait_us
         return us * 1e-6
 
+    def _heads(self) -> set[Call]:
+        """The calls that may run now: each tenant's oldest queued one."""
+        return {order[0] for order in self._order.values()}
+
     def next_deadline(self) -> float | None:
-        heads = {order[0] for order in self._order.values()}  # (only a tenant's oldest call may run)
+        heads = self._heads()
         d = min((c.arrived + self._wait_s(k) for k, q in self._queues.items() for c in q if c in heads), default=None)
         return None if d == float("inf") else d
 
@@ -189,7 +193,7 @@ class Scheduler:
         can_grow = can_grow and not (attached and len(self._per_tenant) >= attached)
         best, best_rank, best_ready = None, None, None
         starve = self.config.starve_us * 1e-6
-        heads = {order[0] for order in self._order.values()}  # the calls that may run now: each tenant's oldest
+        heads = self._heads()
         every = len(heads) == self.pending()
         for key, q in self._queues.items():
             ready = list(q) if every else [c for c in q if c in heads]

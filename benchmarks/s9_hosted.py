@@ -74,16 +74,18 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for m in [int(x) for x in a.registered.split(",")]:
+    registered = [int(x) for x in a.registered.split(",")]
+    variants = fleet.executor_variants(a)
+    for m in registered:
         for n in ns:  # the processes and the private tenants do not depend on the executor's flags
             for load, skew in workloads:
                 picks = choices(n, m, skew)
-                if n <= a.max_processes and m == int(a.registered.split(",")[0]):
+                if n <= a.max_processes and m == registered[0]:
                     res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i),
                                                         "--s9-adapter", str(k), *common] for i, k in enumerate(picks)], a.seconds)
                     add({"registered": m, "k": n, "load": load, "who": f"processes ({load})", **fleet.infer_figures(res),
                          "gpu_used": peak - base, "adapters_used": len(set(picks))})
-        for name, flags in fleet.executor_variants(a):
+        for name, flags in variants:
             proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
             try:
                 seconds = register(url, a.model, m)
@@ -91,7 +93,7 @@ def main() -> int:
                 for n in ns:
                     for load, skew in workloads:
                         picks = choices(n, m, skew)
-                        kinds = [("hosted", ["--shared"])] + ([] if a.no_private or name != fleet.executor_variants(a)[0][0]
+                        kinds = [("hosted", ["--shared"])] + ([] if a.no_private or name != variants[0][0]
                                                              else [("private", [])])
                         for kind, extra in kinds:
                             before = fleet.executor_stats(url)

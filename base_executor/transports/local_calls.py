@@ -155,18 +155,17 @@ class LocalCalls:
         self._fold_lanes()  # (the lanes' calls count too)
         target = None
         if orchestrator.due(now):
-            merged = registry.merged
 
             def fits(adapter_id: int) -> bool:
                 adapter = registry.get(adapter_id)
                 return adapter is not None and merge_bytes(self.core.table, adapter) <= orchestrator.max_bytes
 
-            target = orchestrator.decide(now, merged.adapter.id if merged is not None else 0, fits)
+            merged = registry.merged_adapter
+            target = orchestrator.decide(now, merged.id if merged is not None else 0, fits)
         if (target is None and not registry.dropped_merge) or self._gpu_waits():
             return
         with self.lock:
-            if self.core.device.type == "cuda":
-                torch.cuda.synchronize(self.core.device)
+            self._sync_gpu()
             registry.dropped_merge = False
             if target is not None:
                 old, merged = registry.unmerge(), None
@@ -188,41 +187,36 @@ class LocalCalls:
         them forget those calls (our GPU synchronised first: no replay still queued reads them)."""
         self._fold_lanes()  # (the lanes' calls make their adapters recent)
         with self.lock:
-            if not self.core.adapters.evictable():
-                self.core.adapters.evict()  # (nothing to page out: only clears the mark until the next page-in)
-                return
-            if self.core.device.type == "cuda":
-                torch.cuda.synchronize(self.core.device)
-            gone = {a.id for a in self.core.adapters.evict()}
-            if not gone:
-                return
-
-            def stale(key) -> bool:
-                return isinstance(key, tuple) and bool(key) and key[0] is ADAPTED and key[1] in gone
-
-            for t in self.tenants.values():
-                for graphs in (t.areas.graphs, t.areas.own_graphs):
-                    if graphs is not None:
-                        graphs.forget(stale)
-                for key in [k for k in t.areas.lane_keys if stale(k)]:
-                    self._unlearn(t.areas, key)
+            gone = {a.id for a in self.core.adapters.evict(before=self._sync_gpu)}
+            if gone:
+                self._forget_calls(lambda key: key[0] is ADAPTED and key[1] in gone)
 
     def _forget_merged(self) -> None:
         """After a merge switch (caller holds the lock, our GPU idle): every tenant's graphs and
         lanes forget the calls of merged copies and of the adapter now merged, which are computed
         another way from now on."""
-        merged = self.core.adapters.merged
-        now = merged.adapter.id if merged is not None else 0
+        merged = self.core.adapters.merged_adapter
+        now = merged.id if merged is not None else 0
+        self._forget_calls(lambda key: key[0] is MERGED or (key[0] is ADAPTED and key[1] == now))
 
-        def stale(key) -> bool:
-            return isinstance(key, tuple) and bool(key) and (key[0] is MERGED or (key[0] is ADAPTED and key[1] == now))
+    def _forget_calls(self, stale) -> None:
+        """Every tenant's graphs and lane entries whose hosted-adapter key (ADAPTED or MERGED)
+        stale(key) picks are dropped (caller holds the lock, our GPU idle: no replay of theirs is queued)."""
+
+        def picked(key) -> bool:
+            return isinstance(key, tuple) and bool(key) and key[0] in (ADAPTED, MERGED) and stale(key)
 
         for t in self.tenants.values():
             for graphs in (t.areas.graphs, t.areas.own_graphs):
                 if graphs is not None:
-                    graphs.forget(stale)  # (on_drop unlearns the lane's header of each)
-            for key in [k for k in t.areas.lane_keys if stale(k)]:
+                    graphs.forget(picked)  # (on_drop unlearns the lane's header of each)
+            for key in [k for k in t.areas.lane_keys if picked(k)]:
                 self._unlearn(t.areas, key)
+
+    def _sync_gpu(self) -> None:
+        """Waits for all our GPU work (a merge switch or an eviction: no queued replay may read what goes)."""
+        if self.core.device.type == "cuda":
+            torch.cuda.synchronize(self.core.device)
 
     def _unlearn_adapter(self, owner: int, adapter: int) -> None:
         """The lanes that may name `adapter` (removed: its owner's, every tenant's for the
@@ -256,10 +250,8 @@ class LocalCalls:
             k.per_tenant_calls[tenant] += n
             k.per_tenant_tokens[tenant] += n * tokens
             if adapter:
-                k.adapter_calls += n
+                self.core.count_adapter(adapter, n, n * tokens, bool(epoch))
                 self.core.adapters.touch(adapter, n)  # (a lane's adapter is on the device: hits, and recent)
-                if self.core.orchestrator is not None:
-                    self.core.orchestrator.note(adapter, n * tokens, bool(epoch))
             k.graph_replays += n
             k.native_calls += n
 
