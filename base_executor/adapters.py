@@ -340,6 +340,16 @@ class AdapterRegistry:
         for adapter in [a for a in self._by_id.values() if a.owner == owner]:
             self._drop(adapter)
 
+    def clear(self) -> None:
+        """Drops every adapter and the merged copies (the executor stops). A GPU executor's weights
+        read on several streams must go while the CUDA context lives: their memory's last uses are
+        recorded there, and freeing it at interpreter exit, after the context, aborts the process."""
+        for adapter in list(self._by_id.values()):
+            self._drop(adapter)
+        self.merged, self.dropped_merge = None, False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _drop(self, adapter: Adapter) -> None:
         with self._paging:
             if adapter.resident is not None:

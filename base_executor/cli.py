@@ -107,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     sched = SchedulerConfig(
         policy=args.policy,
         starve_us=args.starve_us,
+        lockstep_wait_us=args.lockstep_wait_us,
         max_tenant_calls=args.max_tenant_calls,
         max_tenant_tokens=args.max_tenant_tokens,
         max_queued_tokens=args.max_queued_tokens,
@@ -386,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "so every tenant gets bitwise what it would get alone (slower under load)")
     s.add_argument("--starve-us", type=int, default=20000, help="a queue waiting this long goes before the other "
                    "class's younger ones (inference goes first otherwise)")
+    s.add_argument("--lockstep-wait-us", type=int, default=100_000, help="--policy lockstep: a queue whose oldest "
+                   "call waited this long runs without the tenants still missing")
     s.add_argument("--max-tenant-calls", type=int, default=0, help="calls one tenant may have queued; more are "
                    "answered RETRY_LATER (0: no limit)")
     s.add_argument("--max-tenant-tokens", type=int, default=0, help="tokens one tenant may have queued (0: no limit)")

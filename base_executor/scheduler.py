@@ -6,7 +6,9 @@ One queue per unit and op. When a queue is ready depends on the policy (Symbiosi
   (every attached tenant already waits on a call). Calls batched at one unit owe nothing to each
   other at the next one, so tenants that left a unit together tend to reach the next together.
 - lockstep: only when every attached tenant has a call in it (or the tokens reach the cap, or
-  every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks).
+  every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks; or its
+  oldest call has waited `lockstep_wait_us`: a tenant whose next input its GPU holds back behind
+  another tenant's queued call cannot stall everyone).
 - no-lockstep: at once; a batch holds only the calls that arrived together.
 
 Each tenant's calls run in the order it sent them: only a tenant's oldest queued call may join a
@@ -49,6 +51,8 @@ class SchedulerConfig:
     a fused group's forward is one GEMM per member, bitwise what unfused calls would get."""
     starve_us: int = 20_000
     """A queue whose oldest call waited this long goes before younger queues of the other class."""
+    lockstep_wait_us: int = 100_000
+    """Under lockstep, a queue whose oldest call waited this long runs without the missing tenants."""
     max_tenant_calls: int = 0
     """Calls one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
     max_tenant_tokens: int = 0
@@ -59,7 +63,7 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("starve_us", "max_tenant_calls", "max_tenant_tokens", "max_queued_tokens"):
+        for name in ("starve_us", "lockstep_wait_us", "max_tenant_calls", "max_tenant_tokens", "max_queued_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_us < 0 or self.inference_wait_us < 0:
@@ -169,8 +173,8 @@ class Scheduler:
         return tenant in self._per_tenant
 
     def _wait_s(self, key) -> float:
-        if self.config.policy != "opportunistic":  # no-lockstep: none; lockstep: no timer, only the tenants
-            return 0.0 if self.config.policy == "no-lockstep" else float("inf")
+        if self.config.policy != "opportunistic":  # no-lockstep: none; lockstep: the tenants, or its bound
+            return 0.0 if self.config.policy == "no-lockstep" else self.config.lockstep_wait_us * 1e-6
         us = self.config.inference_wait_us if self._inference[key] else self.config.max_wait_us
         return us * 1e-6
 

@@ -22,6 +22,7 @@ its ring or never reads its replies is detached and its mailbox reclaimed.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -161,6 +162,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.detach_remote(r, "executor shutting down")
             self._release_retired()
             self.areas.close()
+            self.core.adapters.clear()
+            self.core.scheduler.drop(lambda c: True)
+            gc.collect()  # (graphs and calls that held adapters' weights, while the CUDA context lives)
             for gone in (path, token_path):
                 try:
                     os.unlink(gone)
