@@ -212,7 +212,8 @@ def _serve(args: argparse.Namespace) -> int:
                         "" if credentials else " and attach")
         for address in remote:
             g = GrpcServer(server, GrpcServerConfig(address=address, tls_dir=args.tls_dir, credentials=credentials,
-                                                    insecure=args.insecure))
+                                                    insecure=args.insecure, collective_plane=not args.no_collective_plane,
+                                                    plane_host=args.plane_host, plane_port=args.plane_port))
             port = g.start()
             grpc_servers.append(g)
             log.info("serving on grpc://%s:%d (%s, %d credentials)", address.rsplit(":", 1)[0], port,
@@ -369,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", default=None, help="gRPC: the tenants' credentials, 'NAME TOKEN' per line (default: "
                    "TLS_DIR/tokens; none with --insecure: any tenant may attach)")
     s.add_argument("--insecure", action="store_true", help="gRPC without TLS (a warning is logged): for a trusted network")
+    s.add_argument("--no-collective-plane", action="store_true", help="gRPC tenants' tensors only in the call stream: "
+                   "no NCCL (gloo on a CPU executor) plane offered (docs/remote.md)")
+    s.add_argument("--plane-host", default="", help="the host name gRPC tenants reach the collective planes' rendezvous "
+                   "at (default: the --listen host, or this host's name)")
+    s.add_argument("--plane-port", type=int, default=0, help="the collective planes' rendezvous port (0: any free port)")
     s.add_argument("--device", default="cpu", help="cpu or cuda:N")
     s.add_argument("--devices", default=None, help="one executor over several processes, one per device listed "
                    "(cuda:0,cuda:1 or cpu,cpu): each serves its share of the layers on its own address (NAME.rR, "

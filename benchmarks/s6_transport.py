@@ -11,7 +11,9 @@ IPC mailbox, peer copies on the tenant's streams, ordered by the mailbox's words
 ordered on the executor's GPU by the mailbox's events instead, each call waiting for its reply;
 needs two GPUs), `grpc` (tenant on the CPU, over gRPC on loopback, plaintext), `grpc-tls` (mutual
 TLS), `grpc-tls-mask` (mutual TLS and noise masking, client/privacy.py; the executor on the GPU
-when there is one). The executor is a real `base-executor serve` process; the unit is a 2048x2048
+when there is one), `grpc-gpu-stream` (tenant on a second GPU over gRPC, its tensors in the stream
+through the host) and `grpc-nccl` (the same tenant, its tensors on its NCCL plane; run once more with
+NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 for the bytes' way between two hosts). The executor is a real `base-executor serve` process; the unit is a 2048x2048
 q_proj of a one-layer Llama saved to a temporary directory.
 
     python benchmarks/s6_transport.py [--label mps]      # run once with MPS on, once without
@@ -104,7 +106,8 @@ def main() -> int:
         grpc_on = ("cuda:0", "bfloat16") if cuda else ("cpu", "float32")
         placements += [(name, *grpc_on, "cpu") for name in ("grpc", "grpc-tls", "grpc-tls-mask")]
         if torch.cuda.device_count() > 1:
-            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1"), ("peer-gpu-events", "cuda:0", "bfloat16", "cuda:1")]
+            placements += [("peer-gpu", "cuda:0", "bfloat16", "cuda:1"), ("peer-gpu-events", "cuda:0", "bfloat16", "cuda:1"),
+                           ("grpc-gpu-stream", "cuda:0", "bfloat16", "cuda:1"), ("grpc-nccl", "cuda:0", "bfloat16", "cuda:1")]
         if cuda:
             placements += [("host->gpu", "cuda:0", "bfloat16", "cpu"), ("same-gpu", "cuda:0", "bfloat16", "cuda:0"),
                            ("same-gpu-python", "cuda:0", "bfloat16", "cuda:0"), ("same-gpu-wait", "cuda:0", "bfloat16", "cuda:0"),
@@ -136,7 +139,8 @@ def main() -> int:
             proc = serve(tmp, url, ex_device, dtype, spin, extra)
             try:
                 if name.startswith("grpc"):
-                    conn = connect(f"grpc://127.0.0.1:{port}", **({"tls_dir": os.path.join(tmp, "certs"), "tenant": "s6"} if tls else {}))
+                    conn = connect(f"grpc://127.0.0.1:{port}", plane="nccl" if name.startswith("grpc-nccl") else "stream",
+                                   **({"tls_dir": os.path.join(tmp, "certs"), "tenant": "s6"} if tls else {}))
                 else:
                     conn = connect(url, spin_us=spin)
                 conn.transport.peer_streams = not name.startswith("peer-gpu-events")

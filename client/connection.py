@@ -24,11 +24,11 @@ class Connection:
     def __init__(
         self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
         token: str | None = None, tls_dir: str | None = None, tenant: str | None = None, reconnect_s: float | None = None,
-        latency_budget_ms: float | None = None,
+        latency_budget_ms: float | None = None, plane: str | None = None,
     ):
         self.url = url
         self.name = name or tenant or f"{os.path.basename(os.sys.argv[0]) or 'python'}:{os.getpid()}"
-        self._options = dict(token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s)
+        self._options = dict(token=token, tls_dir=tls_dir, tenant=tenant, reconnect_s=reconnect_s, plane=plane)
         self._spin_us = spin_us
         if latency_budget_ms is not None and not 0 < latency_budget_ms < 4e6:
             raise ValueError(f"latency_budget_ms must be in (0, 4e6), got {latency_budget_ms}")
@@ -269,7 +269,9 @@ def connect(url: str = "local://symbiont", **kwargs) -> Connection:
     'grpc://HOST:PORT' on another. For gRPC with mutual TLS pass tls_dir= (a folder holding the
     provider's ca.pem and your NAME.pem, NAME.key, NAME.token) and tenant=NAME; token= gives the
     credential directly (an --insecure executor that asks for one); reconnect_s (default 60; 0:
-    never) is how long a gRPC call waits for a restarted executor. latency_budget_ms: a call the
+    never) is how long a gRPC call waits for a restarted executor; plane="nccl" sends a gRPC call's
+    tensors by NCCL (gloo to a CPU executor) instead of in the stream ("auto", the default: for a
+    tenant on a GPU other than the executor's; "stream": never). latency_budget_ms: a call the
     executor expects to wait longer than this is refused at once (OverBudgetError), never queued.
     Other keywords: name, latency, mailbox_mb, spin_us."""
     return Connection(url, **kwargs)

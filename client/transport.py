@@ -86,10 +86,14 @@ class Transport(abc.ABC):
         request = pb.AttachRequest(
             tenant_name=tenant_name, pid=os.getpid(), default_latency=latency, mailbox_bytes=mailbox_bytes, device_uuid=uuid
         )
+        self._extend_attach(request)
         reply = self.control("attach", request).attach
         self.tenant_id, self.token = reply.tenant_id, reply.token
         self._attached(reply)
         return reply
+
+    def _extend_attach(self, request: pb.AttachRequest) -> None:
+        """What a backend adds to its attach request (the gRPC transport: a collective plane)."""
 
     def _area_uuid(self) -> str:
         """A GPU tenant: the executor's GPU's uuid when our data area can live there (the executor's
@@ -158,7 +162,7 @@ class Transport(abc.ABC):
 
 
 def open_transport(url: str, **options) -> Transport:
-    """The transport of url's scheme. options: gRPC's token, tls_dir and tenant (see connect)."""
+    """The transport of url's scheme. options: gRPC's token, tls_dir, tenant, reconnect_s and plane (see connect)."""
     scheme, name = urls.parse(url)
     if scheme == "grpc":
         from symbiont.client.transports.grpc import GrpcTransport

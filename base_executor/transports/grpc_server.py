@@ -24,6 +24,7 @@ import secrets
 import threading
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError, clip
@@ -51,7 +52,15 @@ class GrpcServerConfig:
     chunk_bytes: int = codec.GRPC_CHUNK_BYTES
     """The most payload bytes in one message."""
     max_call_bytes: int = 1 << 30
-    """The most payload bytes of one call (all its chunks)."""
+    """The most payload bytes of one call (all its chunks), or bytes of one call on a collective plane."""
+    collective_plane: bool = True
+    """Offer tenants a collective plane (`connect(url, plane="nccl")`: NCCL on a GPU executor, gloo on a CPU one)."""
+    plane_host: str = ""
+    """The host name tenants reach the planes' rendezvous at ("": the listen address's host, or this host's name)."""
+    plane_port: int = 0
+    """The rendezvous port (0: any free port, made at the first plane)."""
+    plane_timeout_s: float = 60.0
+    """How long a plane's ends wait for each other (its making, a call's bytes)."""
 
     def __post_init__(self):
         if not self.insecure and not self.tls_dir:
@@ -86,6 +95,12 @@ class GrpcServer:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="grpc", daemon=True)
+        self.planes = None
+        if config.collective_plane:
+            from symbiont.base_executor.transports.collective import CollectivePlanes
+
+            host = config.plane_host or config.address.rpartition(":")[0].strip("[]")
+            self.planes = CollectivePlanes(hub.core.device, host, config.plane_port, config.plane_timeout_s)
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -183,7 +198,12 @@ class GrpcServer:
         name, refused = self._credential_name(context, req.attach.credential if kind == "attach" else "")
         if refused is not None:
             return pb.ControlReply(status=refused)
-        if kind in ("catalog", "skeleton", "norms"):
+        if kind == "catalog":
+            reply = self.hub._control(req.SerializeToString())
+            if self.planes is not None and reply.status.code == pb.OK:
+                reply.catalog.collective_plane = self.planes.backend
+            return reply
+        if kind in ("skeleton", "norms"):
             return self.hub._control(req.SerializeToString())
         if kind == "stats":
             reply = self.hub._control(req.SerializeToString())
@@ -196,11 +216,23 @@ class GrpcServer:
             if self.hub.stopping.is_set():
                 return control_error(pb.UNAVAILABLE, "executor is shutting down")
             a = req.attach
+            if a.plane and a.plane != "nccl":
+                return control_error(pb.INVALID_ARGUMENT, f"no {a.plane!r} plane: ask for 'nccl' or none")
+            if a.plane and self.planes is None:
+                return control_error(pb.UNAVAILABLE, "this executor offers no collective plane (serve without --no-collective-plane)")
             try:
                 t = self.hub.attach_remote(a.tenant_name, context.peer(), name, a.default_latency)
             except CallError as e:
                 return pb.ControlReply(status=e.status())
-            return pb.ControlReply(status=_OK, attach=pb.AttachReply(tenant_id=t.id, token=t.token))
+            reply = pb.AttachReply(tenant_id=t.id, token=t.token)
+            if a.plane:
+                try:
+                    t.plane, info = self.planes.open(t.id)
+                except Exception as e:  # (the rendezvous store could not bind)
+                    self.hub.detach_remote(t, f"no collective plane: {e}")
+                    return control_error(pb.UNAVAILABLE, f"the collective plane could not be made: {e}")
+                reply.collective.CopyFrom(info)
+            return pb.ControlReply(status=_OK, attach=reply)
         t = self.hub.remote_tenant(req.tenant_id, req.token)
         if t is None or t.credential_name != name:
             return control_error(pb.NOT_ATTACHED, f"tenant {req.tenant_id} is not attached (never attached, detached, or reclaimed)")
@@ -257,19 +289,31 @@ class GrpcServer:
                     yield _call_status(head_.call_id, pb.RESOURCE_EXHAUSTED,
                                        f"call of more than {self.config.max_call_bytes} payload bytes")
                     continue
-                for chunk in await self._one_call(t, head_, payload):
+                try:
+                    replies = await self._one_call(t, head_, payload)
+                except PlaneBroken as e:
+                    log.warning("tenant %d (%s): %s; detached", t.id, t.name, e)
+                    yield _call_status(head_.call_id, e.code, f"{e}; this tenant is detached")
+                    return
+                for chunk in replies:
                     yield chunk
         finally:
             if t.id in self.hub.remote:
                 self.hub.detach_remote(t, "its call stream ended")
 
     async def _one_call(self, t: RemoteTenant, req: pb.CallRequest, payload: bytes) -> list[bytes]:
+        loop = self._loop
+        if req.on_plane:
+            nbytes = self._plane_bytes(t, req, payload)  # (PlaneBroken: the ranks cannot stay in step)
+            try:
+                payload = await loop.run_in_executor(t.plane.pool, t.plane.receive, nbytes)
+            except Exception as e:
+                raise PlaneBroken(f"the call's bytes did not come on the collective plane ({e})", pb.UNAVAILABLE) from None
         try:
             call = self._to_call(t, req, payload)
         except CallError as e:
             self.hub.core.counters.errors += 1
             return [pb.CallReply(call_id=req.call_id, status=e.status()).SerializeToString()]
-        loop = self._loop
         future = loop.create_future()
 
         def done(error, y, event):  # (the data loop's thread)
@@ -278,11 +322,14 @@ class GrpcServer:
             except RuntimeError:  # the listener has stopped: nobody waits for it
                 pass
 
-        call.tag = RemoteDelivery(t, done)
+        call.tag = RemoteDelivery(t, done, plane=t.plane if req.on_plane else None)
         self.hub.submit_remote(call)
         error, y, event = await future
         if error is not None:
             return [pb.CallReply(call_id=req.call_id, status=error.status()).SerializeToString()]
+        if req.on_plane:  # (its bytes are on the way)
+            return [pb.CallReply(call_id=req.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape),
+                                 on_plane=True).SerializeToString()]
         if event is not None:
             await loop.run_in_executor(None, event.synchronize)
         head = dict(call_id=req.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape))
@@ -291,20 +338,44 @@ class GrpcServer:
             for i, (piece, more) in enumerate(codec.chunks(codec.to_bytes(y), self.config.chunk_bytes))
         ]
 
-    def _to_call(self, t: RemoteTenant, req: pb.CallRequest, payload: bytes) -> Call:
+    def _plane_bytes(self, t: RemoteTenant, req: pb.CallRequest, payload: bytes) -> int:
+        """How many bytes a call on t's collective plane sends: its header's; PlaneBroken when
+        they cannot be known (the two ranks would fall out of step)."""
+        if t.plane is None:
+            raise PlaneBroken("a call on a collective plane from a tenant that attached without one")
+        if payload:
+            raise PlaneBroken("a call on a collective plane with a payload too")
+        try:
+            nbytes = codec.nbytes(tuple(req.shape), codec.torch_dtype(req.dtype))
+        except (ValueError, KeyError, TypeError) as e:
+            raise PlaneBroken(f"a call on a collective plane whose bytes its header does not say ({e})") from None
+        if any(d < 0 for d in req.shape) or nbytes > self.config.max_call_bytes:
+            raise PlaneBroken(f"a call on a collective plane of shape {list(req.shape)} (at most {self.config.max_call_bytes} bytes)")
+        return nbytes
+
+    def _to_call(self, t: RemoteTenant, req: pb.CallRequest, payload) -> Call:
+        """payload: the input's bytes, or (a collective plane's) a uint8 tensor of them."""
         core = self.hub.core
         if req.in_offset or req.out_offset or req.input_seq:
             raise CallError(pb.INVALID_ARGUMENT, "gRPC calls carry their tensor in payload: no mailbox offsets or input_seq")
         unit, in_shape, out_shape, dtype = core.check(req.unit, req.op, req.dtype, req.shape)
         try:
-            x = codec.from_bytes(payload, in_shape, dtype)
-        except ValueError as e:
+            x = payload.view(dtype).view(in_shape) if isinstance(payload, torch.Tensor) else codec.from_bytes(payload, in_shape, dtype)
+        except (ValueError, RuntimeError) as e:
             raise CallError(pb.INVALID_ARGUMENT, f"payload of {e} (shape {list(req.shape)})") from None
         if unit.kind == "embedding":
             core.check_ids(unit, x)
         unit, adapter, epoch = core.adapted(t.id, req.adapter, unit)
         return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape, latency=req.latency,
                     arrived=0.0, adapter=adapter, adapter_id=req.adapter, merge_epoch=epoch, budget_s=req.budget_us * 1e-6)
+
+
+class PlaneBroken(Exception):
+    """A tenant's collective plane is out of step with its calls: its call stream ends (it is detached)."""
+
+    def __init__(self, message: str, code: int = pb.MALFORMED):
+        super().__init__(message)
+        self.code = code
 
 
 def _resolve(future: asyncio.Future, value) -> None:

@@ -27,6 +27,7 @@ class RemoteTenant:
     peer: str  # where it connects from, for the log
     credential_name: str  # the provider's name for its credential ("" when none is required)
     latency: int = pb.TRAINING
+    plane: object = None  # its collective plane (transports/collective.py's TenantPlane), when it asked for one
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -39,6 +40,7 @@ class RemoteDelivery:
     area: object = None  # (no mailbox: LocalServer._release_retired's test never matches)
     stream: object = None
     remote: bool = True
+    plane: object = None  # the call came on the tenant's collective plane: so goes its result (its send posted here)
 
 
 class RemoteTenants:
@@ -72,6 +74,8 @@ class RemoteTenants:
                 return
             self.core.adapters.drop_owner(t.id)
             self._remote_gone.append(t.id)
+        if t.plane is not None:
+            t.plane.close()
         self.wake.ring()
         log.info("tenant %d (%s, %s) detached: %s", t.id, t.name, t.peer, why)
 
@@ -98,6 +102,8 @@ class RemoteTenants:
                     raise CallError(pb.UNAVAILABLE, "executor is shutting down")
                 if call.x.device != self.core.device:
                     call.x = call.x.to(self.core.device)
+                elif call.x.is_cuda:  # (a collective plane's bytes, received on its own stream)
+                    call.x.record_stream(torch.cuda.current_stream(self.core.device))
                 call.arrived = time.monotonic()
                 self.core.submit(call)
             except CallError as e:
@@ -114,6 +120,14 @@ class RemoteTenants:
                 d.done(r.error, None, None)
                 continue
             y, event = r.y, None
+            if d.plane is not None:
+                try:
+                    d.plane.send(y)  # (on this stream, behind the call's work: nothing waits for it here)
+                except Exception as e:  # (its plane closed: the tenant left)
+                    d.done(CallError(pb.UNAVAILABLE, f"the result could not go on the collective plane: {e}"), None, None)
+                    continue
+                d.done(None, y, None)
+                continue
             if y.is_cuda:
                 host = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
                 host.copy_(y, non_blocking=True)
@@ -125,7 +139,7 @@ class RemoteTenants:
     def _remote_stats(self, k) -> list[pb.TenantStats]:
         sched = self.core.scheduler
         return [
-            pb.TenantStats(tenant_id=t.id, name=t.name, pid=0, placement="remote", calls=k.per_tenant_calls[t.id],
+            pb.TenantStats(tenant_id=t.id, name=t.name, pid=0, placement=f"remote, {t.plane.backend} plane" if t.plane else "remote", calls=k.per_tenant_calls[t.id],
                            tokens=k.per_tenant_tokens[t.id], queued_calls=sched.queued(t.id), refused=k.per_tenant_refused[t.id])
             for t in list(self.remote.values())
         ]

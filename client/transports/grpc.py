@@ -10,14 +10,23 @@ Credentials: `token` (the provider's NAME.token) goes with
 every RPC as metadata; with `tls_dir` the channel is mutual TLS with the tenant's certificate
 (NAME.pem, NAME.key) and the provider's CA (ca.pem); without it the channel is plaintext and the
 executor must serve with --insecure.
+
+Planes: with `plane="nccl"` (or by default, "auto", for a tenant on a GPU that is not the
+executor's, when the executor offers it) a call's tensors travel by NCCL send/recv in a two-rank
+group of this tenant's (proto/collective.py): GPU to GPU, no host copies; the header and the reply
+stay on the stream. An executor on a CPU offers the same plane over gloo (CPU tensors).
+`plane="stream"`: the tensors always ride in the stream.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import pathlib
 import queue
 import threading
 
 import grpc
+import torch
 
 from symbiont.client.errors import ExecutorUnavailableError, MalformedMessageError, raise_for_status
 from symbiont.client.transport import Transport
@@ -25,15 +34,20 @@ from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
 
 SERVICE = "/symbiont.Executor/"
+PLANES = ("auto", "stream", "nccl")
 _MESSAGE_LIMIT = codec.grpc_message_limit()
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class GrpcTransport(Transport):
     def __init__(self, url: str, address: str, *, token: str = "", tls_dir: str | None = None, tenant: str | None = None,
-                 reconnect_s: float | None = None):
+                 reconnect_s: float | None = None, plane: str | None = None):
         super().__init__(url)
         self.address = address
+        self.plane = plane or "auto"
+        if self.plane not in PLANES:
+            raise ValueError(f"plane must be one of {', '.join(PLANES)}, got {plane!r}")
+        self._pair = None  # our end of the collective plane (proto/collective.py's Pair), when there is one
         self.reconnect_s = 60.0 if reconnect_s is None else reconnect_s
         self._attach_args = None  # (tenant_name, latency, mailbox_bytes, device) of the first attach
         self._served = None  # what the executor served then: (model, unit fingerprints)
@@ -116,8 +130,56 @@ class GrpcTransport(Transport):
     def _area_uuid(self) -> str:
         return ""  # (no data area on the executor's GPU from another host)
 
+    def _extend_attach(self, request: pb.AttachRequest) -> None:
+        if self.plane == "nccl" or (self.plane == "auto" and self._plane_helps()):
+            request.plane = "nccl"
+
+    def _plane_helps(self) -> bool:
+        """auto: a tenant on a GPU, to an executor on another GPU that offers NCCL planes."""
+        if self.device.type != "cuda":
+            return False
+        catalog = self.control("catalog", pb.CatalogRequest()).catalog
+        from symbiont.proto.cuda_ipc import device_uuid
+
+        return catalog.collective_plane == "nccl" and catalog.device_uuid not in ("", device_uuid(self.device))
+
     def _attached(self, reply: pb.AttachReply) -> None:
         self._open_stream()
+        self._close_pair()
+        if reply.HasField("collective"):
+            self._pair = self._make_pair(reply.collective)
+
+    def _make_pair(self, info: pb.CollectivePlane):
+        """Our end of the plane the executor made for us; None (auto: calls go in the stream) or
+        ExecutorUnavailableError (plane="nccl") when it cannot be made."""
+        import os
+
+        import torch.distributed as dist
+
+        from symbiont.proto import collective
+
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # (a failed plane fails its calls, not this process)
+        try:
+            store = dist.TCPStore(info.store_host, info.store_port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=info.timeout_s or 60))
+            device = self.device if info.backend == collective.NCCL else torch.device("cpu")
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                pair = collective.Pair(store, info.prefix, collective.TENANT, info.backend, device, info.timeout_s or 60)
+                pair.warm_up()
+            return pair
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self.plane == "nccl":
+                raise ExecutorUnavailableError(f"{self.url}: the collective plane ({info.backend}) did not come up: {why}") from None
+            import warnings
+
+            warnings.warn(f"{self.url}: no collective plane ({why}); tensors go in the call stream", RuntimeWarning, stacklevel=4)
+            return None
+
+    def _close_pair(self) -> None:
+        if self._pair is not None:
+            self._pair.close()
+            self._pair = None
 
     def _open_stream(self) -> None:
         self._close_stream()
@@ -148,15 +210,20 @@ class GrpcTransport(Transport):
 
             raise NotAttachedError(f"{self.url}: attach first")
         call_id = next(self._ids)
-        host = x.detach()
-        if host.device.type != "cpu":
-            host = host.cpu()
-        data = codec.to_bytes(host)
         head = self._request(unit, op, x, latency, call_id)
-        for i, (piece, more) in enumerate(codec.chunks(data, codec.GRPC_CHUNK_BYTES)):
-            msg = head if i == 0 else pb.CallRequest(call_id=call_id)
-            msg.payload, msg.more = piece, more
-            self._requests.put(msg.SerializeToString())
+        pair = self._pair
+        if pair is not None:  # the bytes first (the executor receives as many as the header says), then the header
+            head.on_plane = True
+            pair.send(x.detach().to(pair.device))
+            self._requests.put(head.SerializeToString())
+        else:
+            host = x.detach()
+            if host.device.type != "cpu":
+                host = host.cpu()
+            for i, (piece, more) in enumerate(codec.chunks(codec.to_bytes(host), codec.GRPC_CHUNK_BYTES)):
+                msg = head if i == 0 else pb.CallRequest(call_id=call_id)
+                msg.payload, msg.more = piece, more
+                self._requests.put(msg.SerializeToString())
         parts, first = [], None
         try:
             while True:
@@ -176,17 +243,31 @@ class GrpcTransport(Transport):
             self._requests = self._replies = None
             raise ExecutorUnavailableError(f"{self.url}: the executor ended this tenant's call stream") from None
         try:
-            y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
+            if pair is not None:
+                y = self._receive(pair, first)
+            else:
+                y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
         except ValueError as e:
             raise MalformedMessageError(f"{self.url}: the result's {e}") from None
         if y.dtype != out_dtype or y.shape != tuple(out_shape):
             raise MalformedMessageError(f"{self.url}: result {tuple(y.shape)} {y.dtype}, expected {tuple(out_shape)} {out_dtype}")
-        if x.device.type != "cpu":
+        if y.device != x.device:
             y = y.to(x.device)
         return y if take is None else take(y)
 
+    def _receive(self, pair, reply: pb.CallReply) -> torch.Tensor:
+        """The result of a call on the plane, once its OK reply came: our stream waits for its bytes
+        (NCCL; gloo: this thread does)."""
+        if not reply.on_plane:
+            raise MalformedMessageError(f"{self.url}: a call on the collective plane answered in the stream")
+        dtype = codec.torch_dtype(reply.dtype)
+        buf, work = pair.recv(codec.nbytes(tuple(reply.shape), dtype))
+        work.wait()
+        return buf.view(dtype).view(tuple(reply.shape))
+
     def _teardown(self) -> None:
         self._close_stream()
+        self._close_pair()
 
     def _close(self) -> None:
         super()._close()
