@@ -131,6 +131,9 @@ class GrpcTransport(Transport):
         return ""  # (no data area on the executor's GPU from another host)
 
     def _extend_attach(self, request: pb.AttachRequest) -> None:
+        if self.plane == "nccl" and self.device.type != "cuda":
+            if self.control("catalog", pb.CatalogRequest()).catalog.collective_plane == "nccl":
+                raise ValueError(f"{self.url}: an NCCL plane carries a GPU tenant's tensors; this tenant is on {self.device}")
         if self.plane == "nccl" or (self.plane == "auto" and self._plane_helps()):
             request.plane = "nccl"
 
