@@ -8,11 +8,17 @@ executor: CI's path through the same code). The call's header and reply stay on 
 Rendezvous: the executor runs one TCPStore (its master); each tenant's group lives under a prefix
 of it that names the tenant and a random nonce, told only in the (TLS) attach reply.
 
-Protocol, per call: the tenant posts its send of the input's bytes, then sends the header with
-`on_plane`; the executor receives exactly the header's bytes (so the two ranks stay in step even
-when the call is refused), runs the call, posts its send of the result and then replies with
-`on_plane`; the tenant posts its receive only after that OK reply. One call at a time per tenant,
-so both ranks post their operations in the same order.
+Protocol, per call: the tenant sends the header with `on_plane`, then posts its send of the input's
+bytes; the executor receives exactly the header's bytes (so the two ranks stay in step even when
+the call is refused), runs the call, replies with `on_plane` and posts its send of the result; the
+tenant posts its receive only after that OK reply. One call at a time per tenant, so both ranks
+post their operations in the same order.
+
+NCCL connects two ranks lazily, at their first transfer in each direction, and that connection
+blocks the posting thread until the other rank posts its half. So nothing here posts an operation
+where the other rank's half waits for a message this thread has still to send: the header goes
+before the bytes, the reply before the result's bytes (posted from the plane's own thread, never
+the data loop), and the warm-up connects both directions at attach.
 """
 from __future__ import annotations
 
@@ -85,13 +91,12 @@ class Pair:
         done.synchronize()
 
     def warm_up(self, stream=None) -> None:
-        """One byte from the tenant to the executor: creates the communicator on both ends (NCCL's
-        is lazy) before any call, so no call pays for it."""
-        if self.rank == TENANT:
-            work = self.send(torch.ones(1, dtype=torch.uint8, device=self.device))
-        else:
-            _, work = self.recv(1)
-        self.wait_host(work, stream)
+        """One byte each way: makes the communicator and connects both directions (NCCL does both
+        lazily) before any call, so no call pays for them."""
+        one = torch.ones(1, dtype=torch.uint8, device=self.device)
+        for sending in ((True, False) if self.rank == TENANT else (False, True)):
+            work = self.send(one) if sending else self.recv(1)[1]
+            self.wait_host(work, stream)
 
     def close(self) -> None:
         """Ends the group; an operation still posted (the other end died) is aborted."""

@@ -1,9 +1,10 @@
 """The executor's end of gRPC tenants' collective planes (proto/collective.py): one TCPStore for
 the rendezvous, and per tenant that asks for one a two-rank group made at attach.
 
-Only the gRPC server's threads receive a call's input (each plane's own thread: a tenant that never
-sends its bytes stalls only itself) and the call reaches the data loop once its bytes are in; the
-data loop posts the result's send on its own stream, behind the call's GEMM, and never waits for it.
+Each plane's own thread receives a call's input (a tenant that never sends its bytes stalls only
+itself) and the call reaches the data loop once its bytes are in; after the reply the same thread
+posts the result's send, behind an event the data loop recorded after the call's work. The data
+loop never makes an NCCL call (NCCL's lazy connection may block the posting thread).
 """
 from __future__ import annotations
 
@@ -65,11 +66,22 @@ class TenantPlane:
         self.pair.wait_host(work, self.side)
         return buf
 
-    def send(self, y: torch.Tensor) -> None:
-        """(the data loop) Posts the result's send, ordered behind the current stream's work."""
-        if self.pair is None:
-            raise ConnectionError("no collective plane")
-        self.pair.send(y)
+    def send(self, y: torch.Tensor, event) -> None:
+        """(its pool's thread, after the reply) Posts the result's send, behind `event` (a CUDA event
+        recorded after the call's work, or None)."""
+        try:
+            if self.pair is None:
+                raise ConnectionError("no collective plane")
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(self.side):
+                    if event is not None:
+                        self.side.wait_event(event)
+                    self.pair.send(y)
+            else:
+                self.pair.send(y)
+        except Exception as e:  # (closed: the tenant left; its receive fails with it)
+            log.warning("tenant %d: a result did not go on its collective plane: %s", self.tenant_id, e)
 
     def close(self) -> None:
         if self.closed:

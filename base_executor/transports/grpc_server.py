@@ -327,7 +327,8 @@ class GrpcServer:
         error, y, event = await future
         if error is not None:
             return [pb.CallReply(call_id=req.call_id, status=error.status()).SerializeToString()]
-        if req.on_plane:  # (its bytes are on the way)
+        if req.on_plane:  # the reply, then (the plane's thread) the result's bytes
+            t.plane.pool.submit(t.plane.send, y, event)
             return [pb.CallReply(call_id=req.call_id, status=_OK, dtype=codec.dtype_enum(y.dtype), shape=list(y.shape),
                                  on_plane=True).SerializeToString()]
         if event is not None:

@@ -40,7 +40,7 @@ class RemoteDelivery:
     area: object = None  # (no mailbox: LocalServer._release_retired's test never matches)
     stream: object = None
     remote: bool = True
-    plane: object = None  # the call came on the tenant's collective plane: so goes its result (its send posted here)
+    plane: object = None  # the call came on the tenant's collective plane: its result goes there (no host copy)
 
 
 class RemoteTenants:
@@ -120,13 +120,11 @@ class RemoteTenants:
                 d.done(r.error, None, None)
                 continue
             y, event = r.y, None
-            if d.plane is not None:
-                try:
-                    d.plane.send(y)  # (on this stream, behind the call's work: nothing waits for it here)
-                except Exception as e:  # (its plane closed: the tenant left)
-                    d.done(CallError(pb.UNAVAILABLE, f"the result could not go on the collective plane: {e}"), None, None)
-                    continue
-                d.done(None, y, None)
+            if d.plane is not None:  # (its plane's thread sends it, behind this event)
+                if y.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                d.done(None, y, event)
                 continue
             if y.is_cuda:
                 host = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)

@@ -215,10 +215,10 @@ class GrpcTransport(Transport):
         call_id = next(self._ids)
         head = self._request(unit, op, x, latency, call_id)
         pair = self._pair
-        if pair is not None:  # the bytes first (the executor receives as many as the header says), then the header
+        if pair is not None:  # the header, then its bytes (the executor receives as many as it says)
             head.on_plane = True
-            pair.send(x.detach().to(pair.device))
             self._requests.put(head.SerializeToString())
+            pair.send(x.detach().to(pair.device))
         else:
             host = x.detach()
             if host.device.type != "cpu":
