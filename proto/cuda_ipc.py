@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import threading
 
 import torch
 
@@ -212,9 +213,17 @@ def reached(word: int, value: int) -> bool:
     return (word - value) & 0xFFFFFFFF < 0x80000000
 
 
+_spare_streams: dict[int, list] = {}  # device index -> streams given back by drop_stream
+_spare_lock = threading.Lock()
+
+
 def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A stream nobody else uses (torch's pool hands the same streams out again): what waits on
-    it stalls nothing else. Free it with drop_stream."""
+    it stalls nothing else. Give it back with drop_stream."""
+    with _spare_lock:
+        spare = _spare_streams.get(device.index)
+        if spare:
+            return spare.pop()
     s = ctypes.c_void_p()
     with _current(device):
         _check(_driver().cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")  # 1: non-blocking
@@ -222,9 +231,13 @@ def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
 
 
 def drop_stream(device: torch.device, stream: torch.cuda.ExternalStream) -> None:
-    """Destroys a stream from own_stream; work still queued on it completes first."""
-    with _current(device):
-        _check(_driver().cuStreamDestroy_v2(stream.cuda_stream), "cuStreamDestroy")
+    """Gives back a stream of own_stream (the caller made sure nothing of its holder is still
+    queued there): the next own_stream hands it out again. It is never destroyed: the caching
+    allocator records there the last use of memory read on it (record_stream: a hosted adapter's
+    weights), and marks that use with an event on the stream when the memory goes, maybe long after
+    its tenant left; on a destroyed stream that aborts the process."""
+    with _spare_lock:
+        _spare_streams.setdefault(device.index, []).append(stream)
 
 
 def unpin_host(device: torch.device, ptr: int) -> None:
