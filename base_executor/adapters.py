@@ -25,12 +25,15 @@ copies of the units it adapts, W' = W + scale B A (computed in float32, rounded 
 dtype, as PEFT's merge), and its calls there are a plain GEMM on W'. The served weights are never
 written, so every other call (private tenants, other adapters, training) computes exactly what it
 did before: no mixture correction is needed, at the cost of the adapted units' weights once
-(`Merged.nbytes`). `MergeOrchestrator` chooses the adapter from the traffic.
+(`Merged.nbytes`). `MergeOrchestrator` chooses the adapter from the traffic. On a GPU the adapted
+rows of every copy are written in one launch of kernels/lora_merge.py's kernel (each read once from
+the served weight and written once), the other rows copied.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 
@@ -40,6 +43,7 @@ from symbiont.base_executor.catalog import CONV1D, LINEAR, Unit, UnitTable
 from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
 
+log = logging.getLogger("base_executor")
 PROVIDER = 0  # the owner of shared adapters
 MAX_RANK = 1024
 MAX_ADAPTERS = 4096
@@ -123,11 +127,12 @@ class Merged:
     switch_s: float  # how long making them took
 
 
-def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]]) -> Unit | None:
+def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], fused: list | None = None) -> Unit | None:
     """A copy of `unit` with scale B A added to the output rows [a, b) of each part (None: no part).
-    Each row of the copy is written once, from the served weight's row (one read and one write of
-    the unit, the least a copy can cost): adapted rows by one addmm (accumulated in float32,
-    rounded once), the others copied."""
+    Rows no part adapts are copied. Adapted rows: with `fused` (a list), their (served rows, copy's
+    rows, delta) are appended for _merge_rows to write in one launch, once each from the served rows
+    (one read and one write of the unit, the least a copy can cost); otherwise one addmm each
+    (accumulated in float32, rounded once; ATen writes such rows twice)."""
     if not parts:
         return None
     source = unit.weight if unit.kind == LINEAR else unit.weight.t()  # [out, in] either way
@@ -137,7 +142,10 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]]) -> Unit | None
     for a, b, delta in sorted(parts, key=lambda p: p[0]):
         if a > done:
             rows[done:a].copy_(source[done:a])
-        torch.addmm(source[a:b], delta.b.to(rows.dtype), delta.a.to(rows.dtype), alpha=delta.scale, out=rows[a:b])
+        if fused is not None and rows.stride(1) == 1 and source.stride(1) == 1:
+            fused.append((source[a:b], rows[a:b], delta))
+        else:
+            torch.addmm(source[a:b], delta.b.to(rows.dtype), delta.a.to(rows.dtype), alpha=delta.scale, out=rows[a:b])
         done = b
     if done < rows.shape[0]:
         rows[done:].copy_(source[done:])
@@ -146,6 +154,21 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]]) -> Unit | None
                                                                      m.weight.storage_offset() - base))
                     for m in unit.members)
     return dataclasses.replace(unit, weight=weight, members=members)
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]]) -> None:
+    """Writes out = served + scale B A for every (served rows, out rows, delta) of `parts`, in one
+    launch of the merge kernel; one addmm each where the kernel cannot take them."""
+    try:
+        from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
+
+        dtype = parts[0][0].dtype
+        loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in parts]
+        merge_lora_(plan_merge([w for w, _, _ in parts], loras, outs=[o for _, o, _ in parts]))
+    except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
+        log.debug("merged copies by addmm: %s", e)
+        for w, o, d in parts:
+            torch.addmm(w, d.b.to(o.dtype), d.a.to(o.dtype), alpha=d.scale, out=o)
 
 
 class AdapterRegistry:
@@ -370,16 +393,19 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         deltas = self.on_device(adapter, count=False)
         units: dict[str, Unit] = {}
+        fused = [] if self.device.type == "cuda" else None  # (adapted rows, for one kernel launch)
         for unit in self.table.units.values():  # groups first: a member called alone reads its group's copy
             if unit.members and unit.kind in (LINEAR, CONV1D):
-                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas])
+                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas], fused)
                 if merged is not None:
                     units[unit.id] = merged
                     units.update((m.id, m) for m in merged.members if m.id in deltas)
         for unit_id, delta in deltas.items():
             unit = self.table.get(unit_id)
             if unit_id not in units and unit is not None:
-                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)])
+                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)], fused)
+        if fused:
+            _merge_rows(fused)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

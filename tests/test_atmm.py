@@ -248,6 +248,51 @@ def test_merge_then_unmerge_restores_weights(dtype):
         assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype):
+    """outs=: each copy gets its weight plus the adapter's delta (as a merge in place would), the
+    weights stay bit for bit, and copies may be row ranges of a bigger matrix (a fused group's)."""
+    shapes = [(64, 96), (40, 96), (96, 40)]
+    weights, loras = merge_layers(shapes, 24, dtype)
+    originals = [w.clone() for w in weights]
+    group = torch.full((64 + 40 + 8, 96), float("nan"), device=DEV, dtype=dtype)  # (rows 104.. stay untouched)
+    outs = [group[:64], group[64:104], torch.empty(96, 40, device=DEV, dtype=dtype)]
+    merge_lora_(plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16))
+    for w, w0, o, (a, b, s) in zip(weights, originals, outs, loras):
+        assert torch.equal(w, w0)
+        ref = merge_ref(w0.clone(), a, b, s)
+        assert ((o.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all(), "copy off by more than an ulp"
+    assert torch.isnan(group[104:].float()).all()
+    with pytest.raises(ValueError, match="output must be"):
+        plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 95, device=DEV, dtype=dtype)])
+
+
+def test_merged_copies_by_the_kernel_equal_those_by_addmm():
+    """The executor's merged mode (adapters._merged_unit): a fused q/k/v group with q and v adapted,
+    its copy written by one kernel launch, is the addmm-made copy within an ulp, its k rows copied
+    bit for bit, and the served weight untouched."""
+    from symbiont.base_executor.adapters import Delta, _merged_unit, _merge_rows
+    from symbiont.base_executor.catalog import Unit
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(96 + 32 + 32, 64, device=DEV, generator=g) / 8).to(torch.bfloat16)
+    served = w.clone()
+    member = lambda name, a, b: Unit(f"l.{name}", "linear", w[a:b], None, 64, b - a, rows=(a, b))  # noqa: E731
+    group = Unit("l.{q,k,v}", "linear", w, None, 64, 160, members=(member("q", 0, 96), member("k", 96, 128), member("v", 128, 160)))
+    parts = [(a, b, Delta(torch.randn(8, 64, device=DEV, generator=g), torch.randn(b - a, 8, device=DEV, generator=g), 0.5))
+             for a, b in ((0, 96), (128, 160))]
+    by_addmm = _merged_unit(group, parts)
+    fused = []
+    by_kernel = _merged_unit(group, parts, fused)
+    assert len(fused) == 2
+    _merge_rows(fused)
+    assert torch.equal(w, served)
+    assert torch.equal(by_kernel.weight[96:128], served[96:128])
+    ulp = eps(torch.bfloat16) * by_addmm.weight.float().abs() * 2 + 1e-6
+    assert ((by_kernel.weight.float() - by_addmm.weight.float()).abs() <= ulp).all()
+    assert by_kernel.members[2].weight.data_ptr() == by_kernel.weight[128:].data_ptr()
+
+
 def test_merge_rejects_mismatched_layers():
     w = torch.zeros(8, 16, device=DEV)
     with pytest.raises(ValueError):

@@ -33,13 +33,14 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
-    # grid: (max tiles of one matrix, matrices); program (p, i) updates tile p of matrix i:
-    #   W_i[m, n] += sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
+    # grid: (max tiles of one matrix, matrices); program (p, i) writes tile p of matrix i:
+    #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
+    # (O_i is W_i itself for a merge in place, or a copy's rows: each element read once, written once)
     # Matrices are addressed as element offsets from base_ptr (one of the weights), so the
     # ALIGN hint (offsets and row strides are multiples of ALIGN elements, checked by
     # plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
     pid = tl.program_id(0)
-    row = table_ptr + tl.program_id(1) * 10
+    row = table_ptr + tl.program_id(1) * 12
     n_out = tl.load(row + 3)
     n_in = tl.load(row + 4)
     tiles_n = tl.cdiv(n_in, BLOCK_N)
@@ -52,6 +53,8 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
         stride_a = tl.multiple_of(tl.load(row + 7), ALIGN)
         stride_bo = tl.load(row + 8)
         stride_br = tl.load(row + 9)
+        o_ptr = base_ptr + tl.multiple_of(tl.load(row + 10), ALIGN)
+        stride_o = tl.multiple_of(tl.load(row + 11), ALIGN)
         offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
@@ -71,13 +74,14 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
             acc = mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + tl.program_id(1)) * sign
         w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+        o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
         if EVEN:
             wt = tl.load(w_ptrs).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
+            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
         else:
             mask = m_ok[:, None] & n_ok[None, :]
             wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(w_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +89,7 @@ class MergePlan:
     """All layers of one adapter, ready to be merged or unmerged in one launch."""
 
     base: torch.Tensor    # weights[0]; the table's offsets count elements from its first one
-    table: torch.Tensor   # [layers, 10] int64: w, a, b offsets; out, in, rank; strides w, a, b_out, b_r
+    table: torch.Tensor   # [layers, 12] int64: w, a, b offsets; out, in, rank; strides w, a, b_out, b_r; o offset, o stride
     scales: torch.Tensor  # [layers] float32
     max_tiles: int
     align: int            # every W/A offset and row stride is a multiple of this many elements
@@ -99,24 +103,29 @@ class MergePlan:
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
-               block_m: int = 32, block_n: int = 256, block_r: int = 32, num_warps: int = 4,
-               num_stages: int = 3) -> MergePlan:
-    """Describe `weights[i] += scale_i * B_i @ A_i` for all i.
+               outs: Sequence[torch.Tensor] | None = None, block_m: int = 32, block_n: int = 256, block_r: int = 32,
+               num_warps: int = 4, num_stages: int = 3) -> MergePlan:
+    """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
+    scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).
 
     weights[i]: [out_i, in_i] (nn.Linear layout), contiguous along in_i.
     loras[i]: (A_i [r_i, in_i] contiguous along in_i, B_i [out_i, r_i] any strides
     (lora_B.weight, or a pool's b_rows[...].t()), scale_i). Same dtype as the weight.
+    outs[i]: the weight's shape and dtype, contiguous along in_i; unmerging such a plan subtracts.
     The plan holds the addresses: keep the tensors alive and in place.
     """
     if len(weights) != len(loras) or not weights:
         raise ValueError(f"need one (A, B, scale) per weight: {len(weights)} weights, {len(loras)} adapters")
+    outs = list(weights) if outs is None else list(outs)
+    if len(outs) != len(weights):
+        raise ValueError(f"need one output per weight: {len(weights)} weights, {len(outs)} outputs")
     dtype, dev = weights[0].dtype, weights[0].device
     if dtype not in _DTYPES:
         raise TypeError(f"weights must be bf16, fp16 or fp32, got {dtype}")
     base = weights[0]
     es = base.element_size()
     rows, scales, tiles, even = [], [], 0, True
-    for i, (w, (a, b, scale)) in enumerate(zip(weights, loras)):
+    for i, (w, (a, b, scale), o) in enumerate(zip(weights, loras, outs)):
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
             raise ValueError(f"layer {i}: weight, A and B must be 2-D")
         n_out, n_in = w.shape
@@ -126,22 +135,24 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
                              f"got A {tuple(a.shape)}, B {tuple(b.shape)}")
         if {w.dtype, a.dtype, b.dtype} != {dtype} or {w.device, a.device, b.device} != {dev}:
             raise TypeError(f"layer {i}: weights, A and B must share dtype {dtype} and device {dev}")
-        if w.stride(1) != 1 or a.stride(1) != 1:
-            raise ValueError(f"layer {i}: W and A must be contiguous along the input dimension")
-        offs = [(t.data_ptr() - base.data_ptr()) for t in (w, a, b)]
+        if o.shape != w.shape or o.dtype != dtype or o.device != dev:
+            raise ValueError(f"layer {i}: the output must be {tuple(w.shape)} {dtype} on {dev}, got {tuple(o.shape)} {o.dtype} on {o.device}")
+        if w.stride(1) != 1 or a.stride(1) != 1 or o.stride(1) != 1:
+            raise ValueError(f"layer {i}: W, A and the output must be contiguous along the input dimension")
+        offs = [(t.data_ptr() - base.data_ptr()) for t in (w, a, b, o)]
         if any(o % es for o in offs):
             raise ValueError(f"layer {i}: tensors are not aligned to their element size")
         even &= n_out % block_m == 0 and n_in % block_n == 0
         rows.append([offs[0] // es, offs[1] // es, offs[2] // es, n_out, n_in, r,
-                     w.stride(0), a.stride(0), b.stride(0), b.stride(1)])
+                     w.stride(0), a.stride(0), b.stride(0), b.stride(1), offs[3] // es, o.stride(0)])
         scales.append(float(scale))
         tiles = max(tiles, triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
     # 16-byte alignment of W/A rows (in elements), if every offset and stride allows it
     align = 16 // es
-    if any(v % align for row in rows for v in (row[0], row[1], row[6], row[7])) or base.data_ptr() % 16:
+    if any(v % align for row in rows for v in (row[0], row[1], row[6], row[7], row[10], row[11])) or base.data_ptr() % 16:
         align = 1
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
-    keep = tuple(weights) + tuple(t for a, b, _ in loras for t in (a, b))
+    keep = tuple(weights) + tuple(outs) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, align, even,
                      block_m, block_n, block_r, num_warps, num_stages, keep)
 
