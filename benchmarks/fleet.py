@@ -95,6 +95,15 @@ class GpuMemory:
         return [max(col) for col in zip(*self.samples)]
 
 
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
     """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
     to all with one start time (then calls `on_go(start, pids)`: a profiler of the steady state), and returns

@@ -1,6 +1,7 @@
-"""One tenant of a many-tenant benchmark (S2-S5): a plain HF + PEFT process or a symbiont tenant.
+"""One tenant of a many-tenant benchmark (S2-S5, S10): a plain HF + PEFT process, a symbiont tenant,
+or one rank of an FSDP job.
 
-    python benchmarks/fleet_worker.py --mode plain|symbiont --role finetune|infer|infer-mixed ...
+    python benchmarks/fleet_worker.py --mode plain|symbiont|fsdp --role finetune|infer|infer-mixed ...
 
 It builds its model (plain: the built-in config with random weights made on the device; symbiont:
 `connect(url).model(device=...)`, no checkpoint), wraps it in LoRA, warms up, prints `ready`, waits
@@ -11,6 +12,12 @@ for `go` on stdin, then works until `--seconds` have passed and prints one JSON 
   again; the time of every generated token (a logits processor sees each step).
 - infer-mixed: one process generating for `--adapters` tenants at once, each row its own adapter
   (PEFT mixed-adapter batching): the baseline of S3 beside N processes.
+
+`--mode fsdp` (finetune only; S10's baseline, Symbiosis 4.2.2): this process is rank `--fsdp-rank`
+of an FSDP job of `--fsdp-world` ranks (one per GPU; rendezvous at 127.0.0.1:`--fsdp-port`; gloo on
+CPUs). The job trains one LoRA adapter: every decoder layer and the root are `fully_shard`ed (the
+frozen base and the adapter sharded over the ranks, gathered layer by layer), each rank steps on its
+own batch (data parallel); its tokens per step are its own, so the fleet's sum is the job's rate.
 """
 from __future__ import annotations
 
@@ -46,14 +53,14 @@ def build(a):
     from transformers import AutoModelForCausalLM
 
     device = torch.device(a.device)
-    if a.mode == "plain":
+    if a.mode in ("plain", "fsdp"):
         from symbiont.base_executor.models import BUILTINS
 
         config = BUILTINS[a.model].config()
         config._attn_implementation = "sdpa"
         torch.manual_seed(a.seed)
         with device:  # random weights made on the device (their values do not change speed)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), None
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype)), None
     from symbiont import connect
 
     conn = connect(a.url, name=f"{a.role}-{a.index}")  # (calls under no_grad go in the inference class)
@@ -70,9 +77,27 @@ def lora(model, rank: int, targets: list[str], name: str = "default", into=None)
     return get_peft_model(model, config, adapter_name=name)
 
 
+def fsdp_job(a, model):
+    """Joins the FSDP job's process group and shards the LoRA-wrapped model over its ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cuda = "cuda" in a.device
+    if cuda:
+        torch.cuda.set_device(a.device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{a.fsdp_port}",
+                            rank=a.fsdp_rank, world_size=a.fsdp_world)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (a.fsdp_world,))
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    g = torch.Generator(device="cpu").manual_seed(a.seed + a.fsdp_rank)  # (an FSDP job's ranks: batches of their own)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(a.device) for _ in range(4)]
 
@@ -95,7 +120,14 @@ def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
         tick(1)
-        if ends[-1] >= deadline:
+        if a.mode == "fsdp":  # (the job's ranks stop at the same step: a collective waits for every rank)
+            import torch.distributed as dist
+
+            done = torch.tensor([float(ends[-1] >= deadline)], device=a.device)
+            dist.all_reduce(done, op=dist.ReduceOp.MAX)
+            if done.item():
+                break
+        elif ends[-1] >= deadline:
             break
     return {"start": start, "ends": ends, "tokens_per_step": a.batch * a.seq}
 
@@ -129,7 +161,7 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["plain", "symbiont"], required=True)
+    p.add_argument("--mode", choices=["plain", "symbiont", "fsdp"], required=True)
     p.add_argument("--role", choices=["finetune", "infer", "infer-mixed"], required=True)
     p.add_argument("--url", default="")
     p.add_argument("--model", default="llama-1b")
@@ -144,6 +176,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", help="plain and fsdp: the model's dtype")
+    p.add_argument("--fsdp-rank", type=int, default=0)
+    p.add_argument("--fsdp-world", type=int, default=1)
+    p.add_argument("--fsdp-port", type=int, default=29511)
     p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
     p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
                    "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
@@ -172,6 +208,10 @@ def main() -> int:
         s9_adapters.load_into(model, weights)
     else:
         model = lora(model, RANKS[a.index % len(RANKS)], targets)
+    if a.mode == "fsdp":
+        if a.role != "finetune":
+            raise SystemExit("--mode fsdp trains: --role finetune")
+        model = fsdp_job(a, model)
     if a.hosted:  # the executor computes the adapter: the tenant's model holds none
         name = f"{a.role}-{a.index}"
         conn.host_adapter(name, model, device=a.device)
@@ -217,6 +257,10 @@ def main() -> int:
     print("result " + json.dumps(out), flush=True)
     if conn is not None:
         conn.close()
+    if a.mode == "fsdp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 

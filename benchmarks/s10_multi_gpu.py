@@ -1,8 +1,8 @@
 """S10: K fine-tuning tenants on one executor over several GPUs (layer placement) against K
-independent HF + PEFT processes spread over the same GPUs (MPS on).
+independent HF + PEFT processes spread over the same GPUs (MPS on), and against FSDP.
 
     python benchmarks/s10_multi_gpu.py --model llama-8b --gpus 2 --ks 1,4,8,12 [--max-processes 6] [--seconds 20]
-        [--executors "layers=;tensor=--placement tensor"]
+        [--executors "layers=;tensor=--placement tensor"] [--fsdp-jobs 1,2]
 
 Tenant i (and process i) sits on GPU i mod --gpus. The executor is `base-executor serve --devices
 cuda:0,...,cuda:G-1`: with layer placement (the default) each rank holds its share of the layers,
@@ -10,6 +10,11 @@ so one copy of the model is spread over the GPUs, and a tenant calls the rank on
 through same-GPU mailboxes and the others as peers; with `--placement tensor` (an --executors
 variant) every rank holds a slice of every unit and tenants call rank 0. The work per tenant is S2's (LoRA on q, v; ranks 8/16/32/64 cycling; 2 x 512 tokens per
 step; AdamW). Memory per GPU is nvidia-smi's peak minus what the GPU held before anything started.
+
+FSDP (Symbiosis 4.2.2's comparison): J jobs at once, each training one adapter with the model
+`fully_shard`ed over all the GPUs, one rank per GPU, each rank stepping on its own batch
+(fleet_worker.py --mode fsdp). "Adapters in the same time" is the ratio of aggregate trained tokens/s
+at equal tokens per adapter: K tenants against the FSDP row with the most tokens/s (the goal: 4x).
 Prints a table, writes JSON into --out.
 """
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--fsdp-jobs", default="1", help="FSDP baseline rows: jobs run at once, comma list ('' for none)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -48,8 +54,8 @@ def main() -> int:
         time.sleep(1.0)
     idle = idle.peaks[: a.gpus]
 
-    def common(i: int) -> list[str]:
-        return ["--role", "finetune", "--model", a.model, "--device", devices[i % a.gpus], "--batch", str(a.batch),
+    def common(i: int, device: str = "") -> list[str]:
+        return ["--role", "finetune", "--model", a.model, "--device", device or devices[i % a.gpus], "--batch", str(a.batch),
                 "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)]
 
     def row(k: int, who: str, res, peaks, **more) -> dict:
@@ -70,6 +76,20 @@ def main() -> int:
             res, _, peaks = fleet.run_fleet([["--mode", "plain", *common(i)] for i in range(k)], a.seconds, per_gpu=True)
             rows.append(row(k, "processes", res, peaks))
             save()
+    for j in [int(v) for v in a.fsdp_jobs.split(",") if v]:
+        ports = [fleet.free_port() for _ in range(j)]  # (one rendezvous per job, its ranks one per GPU)
+        workers = [["--mode", "fsdp", *common(job, devices[r]), "--fsdp-rank", str(r),
+                    "--fsdp-world", str(a.gpus), "--fsdp-port", str(ports[job])]
+                   for job in range(j) for r in range(a.gpus)]
+        try:
+            res, _, peaks = fleet.run_fleet(workers, a.seconds, per_gpu=True)
+        except RuntimeError as e:
+            rows.append({"k": j, "who": f"fsdp x{a.gpus}", "failed": str(e)})
+            print(json.dumps(rows[-1]), flush=True)
+            save()
+            continue
+        rows.append(row(j, f"fsdp x{a.gpus}", res, peaks))
+        save()
     variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="opportunistic", serve_args=a.serve_args))
     for name, flags in variants:
         t0 = time.monotonic()
@@ -102,6 +122,12 @@ def main() -> int:
         per_gpu = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
         tf = f"{r['tokens_per_s'] * flops / 1e12:.0f}" if flops else "-"
         print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8}")
+    fsdp = max((r["tokens_per_s"] for r in rows if r["who"].startswith("fsdp") and "failed" not in r), default=0.0)
+    if fsdp:
+        print(f"\nadapters trained in the same time, against FSDP's best ({fsdp:.0f} tokens/s; goal 4x):")
+        for r in rows:
+            if r["who"].startswith("symbiont") and "failed" not in r:
+                print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s'] / fsdp:.2f}x")
     save()
     print(f"wrote {path}")
     return 0
