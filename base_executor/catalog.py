@@ -115,7 +115,7 @@ class UnitTable:
                 out_features=d_out,
                 padding_idx=getattr(module, "padding_idx", None) if kind == EMBEDDING else None,
                 tied_to="" if tied == path else tied,
-                fingerprint=fingerprint(w),
+                fingerprint="" if w.is_meta else fingerprint(w),  # (a lazy built-in's: models.seeded_fingerprints)
             )
         if not self.units:
             raise ValueError(f"{type(model).__name__} has no Linear, Conv1D or Embedding modules to serve")
@@ -140,7 +140,7 @@ class UnitTable:
         for e in range(weight.shape[0]):
             uid = experts.expert_unit(path, name, e)
             self.units[uid] = Unit(id=uid, kind=LINEAR, weight=weight[e], bias=None, in_features=weight.shape[2],
-                                   out_features=weight.shape[1], fingerprint=fingerprint(weight[e]))
+                                   out_features=weight.shape[1], fingerprint="" if weight.is_meta else fingerprint(weight[e]))
         self._unit_param_names.add(f"{path}.{name}" if path else name)
 
     def _add_group(self, model: nn.Module, members: list[Unit]) -> None:
@@ -157,7 +157,7 @@ class UnitTable:
             out_features=sum(m.out_features for m in members),
             members=tuple(members),
         )
-        group.fingerprint = fingerprint(group.weight)
+        group.fingerprint = "" if group.weight.is_meta else fingerprint(group.weight)
         start = 0
         for m in members:
             m.group, m.rows = group.id, (start, start + m.out_features)
@@ -189,7 +189,7 @@ class UnitTable:
             (pair,) = gate_up
             if pair is None or pair.kind != LINEAR or pair.tied_to or pair.out_features % 2:
                 return
-        if down is None or down.tied_to:
+        if down is None or down.tied_to or down.weight.is_meta:  # (a lazy built-in's weights: no probe, tenants call the Linears)
             return
         act = getattr(module, layout.act)
         unit = Unit(id=path, kind=MLP, weight=None, bias=None, in_features=down.out_features, out_features=down.out_features,

@@ -128,6 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     loaded = models.load_model(model_name, dtype)
     table = cat.UnitTable(loaded.model)
+    if loaded.lazy:  # (its units' weights are drawn below, only this rank's)
+        models.seeded_fingerprints(table, model_name)
     if tensor:  # (a gated MLP's forward would need a reduction over the ranks: tenants call its Linears)
         table.keep(u for u, unit in table.units.items() if unit.kind != cat.MLP)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
@@ -152,6 +154,9 @@ def _serve(args: argparse.Namespace) -> int:
         for info in catalog.units:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
+    if loaded.lazy:
+        models.draw_units(table, model_name, dtype, device)
+        log.info("drew the weights of %d units on %s", sum(1 for u in table.units.values() if not u.group), device)
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     tp = None
     if tensor:

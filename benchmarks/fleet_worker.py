@@ -59,6 +59,9 @@ def build(a):
         config = BUILTINS[a.model].config()
         config._attn_implementation = "sdpa"
         torch.manual_seed(a.seed)
+        if a.mode == "fsdp":  # parameters on the meta device: made, sharded, on the GPUs (fsdp_job)
+            with parameters_on_meta():
+                return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype)), None
         with device:  # random weights made on the device (their values do not change speed)
             return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype)), None
     from symbiont import connect
@@ -77,8 +80,32 @@ def lora(model, rank: int, targets: list[str], name: str = "default", into=None)
     return get_peft_model(model, config, adapter_name=name)
 
 
+def parameters_on_meta():
+    """Modules built with their parameters on the meta device (no memory), buffers as usual."""
+    import contextlib
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    @contextlib.contextmanager
+    def patched():
+        torch.nn.Module.register_parameter = register
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = original
+
+    return patched()
+
+
 def fsdp_job(a, model):
-    """Joins the FSDP job's process group and shards the LoRA-wrapped model over its ranks."""
+    """Joins the FSDP job's process group and shards the LoRA-wrapped model (its parameters on the
+    meta device) over its ranks; each rank then makes only its shards, with random values (they do
+    not change speed), so a model larger than one GPU trains too."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -92,6 +119,13 @@ def fsdp_job(a, model):
     for layer in model.get_base_model().model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}  # (rotary frequencies: real)
+    model.to_empty(device=a.device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
     return model
 
 

@@ -12,6 +12,11 @@ import torch
 SAMPLES = 4096
 
 
+SEEDED = "seeded:"
+"""The fingerprint of a lazy built-in's unit (base_executor/models.py): its model, seed and path, known
+before its weight is drawn; a tenant cannot check such a unit's values, only its shape and dtype."""
+
+
 def fingerprint(weight: torch.Tensor) -> str:
     flat = weight.detach().reshape(-1)
     n = flat.numel()

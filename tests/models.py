@@ -8,6 +8,7 @@ from symbiont.base_executor.models import build_builtin
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gpt2", "tiny-phi3"]
 LORA_TARGETS = {
     "tiny-llama": ["q_proj", "v_proj"],
+    "tiny-llama-lazy": ["q_proj", "v_proj"],
     "tiny-qwen2": ["q_proj", "v_proj"],
     "tiny-mistral": ["q_proj", "v_proj"],
     "tiny-gemma2": ["q_proj", "v_proj"],

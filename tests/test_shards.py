@@ -187,3 +187,35 @@ def test_hosted_adapters_on_a_layer_placed_executor(tmp_path):
     with running_executor(name, "--devices", "cpu,cpu", "--placement", "tensor") as ex, connect(ex.url) as conn:
         with pytest.raises(InvalidCallError, match="tensor placement"):
             conn.host_adapter("own", lora_model(name, seed=14))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_lazy_builtin_is_drawn_only_where_served(world):
+    """A lazy built-in (models.BUILTINS[...].lazy: built with its unit weights on the meta device)
+    draws each unit's weight on the rank that serves it and nowhere else: one executor, or two
+    layer-placed ranks, give the logits, greedy tokens and LoRA steps of the model drawn whole on
+    the tenant's CPU; each rank logs the units it drew."""
+    name = "tiny-llama-lazy"
+    devices = ("--devices", ",".join(["cpu"] * world)) if world > 1 else ()
+    with running_executor(name, *devices) as ex:
+        conn = connect(ex.url)
+        catalog = conn.catalog()
+        assert all(u.fingerprint.startswith("seeded:") for u in catalog.units)
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), conn)
+        x = ids(2, 17)
+        with torch.no_grad():
+            assert torch.equal(ref(x).logits, virt(x).logits)
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        prompt = ids(1, 6, seed=3)
+        assert torch.equal(ref.generate(prompt, **kw), virt.generate(prompt, **kw))
+        conn.close()
+        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url)
+        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
+        for m in virt.modules():
+            if isinstance(m, VirtLayer):
+                m.transport.close()
+        # every rank logs how many units it drew (ranks 1.. into rank 0's output): each unit on one rank
+        drawn = [int(line.split("drew the weights of ")[1].split()[0]) for line in ex.log().splitlines() if "drew the weights of" in line]
+        members = {m for u in catalog.units for m in u.members}
+        total = sum(1 for u in catalog.units if u.id not in members)
+        assert len(drawn) == world and sum(drawn) == total and all(0 < n < total or world == 1 for n in drawn), (drawn, total)
