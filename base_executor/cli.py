@@ -130,8 +130,6 @@ def _serve(args: argparse.Namespace) -> int:
     table = cat.UnitTable(loaded.model)
     if loaded.lazy:  # (its units' weights are drawn below, only this rank's)
         models.seeded_fingerprints(table, model_name)
-    if tensor:  # (a gated MLP's forward would need a reduction over the ranks: tenants call its Linears)
-        table.keep(u for u, unit in table.units.items() if unit.kind != cat.MLP)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
         model=loaded.name,
