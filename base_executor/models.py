@@ -217,24 +217,9 @@ def _nothing():
 def _matrices_on_meta():
     """Builds modules with their parameters of two or more dimensions (the units' weights) on the
     meta device: no memory, and nothing drawn; the rest (norms, biases, buffers) as usual."""
-    import contextlib
+    from symbiont.proto import meta
 
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None and param.dim() >= 2 and not param.is_meta:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    @contextlib.contextmanager
-    def patched():
-        torch.nn.Module.register_parameter = register
-        try:
-            yield
-        finally:
-            torch.nn.Module.register_parameter = original
-
-    return patched()
+    return meta.parameters_on_meta(meta.matrices)
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

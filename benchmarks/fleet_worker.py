@@ -60,6 +60,8 @@ def build(a):
         config._attn_implementation = "sdpa"
         torch.manual_seed(a.seed)
         if a.mode == "fsdp":  # parameters on the meta device: made, sharded, on the GPUs (fsdp_job)
+            from symbiont import parameters_on_meta
+
             with parameters_on_meta():
                 return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype)), None
         with device:  # random weights made on the device (their values do not change speed)
@@ -78,28 +80,6 @@ def lora(model, rank: int, targets: list[str], name: str = "default", into=None)
         into.add_adapter(name, config)
         return into
     return get_peft_model(model, config, adapter_name=name)
-
-
-def parameters_on_meta():
-    """Modules built with their parameters on the meta device (no memory), buffers as usual."""
-    import contextlib
-
-    original = torch.nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None and not param.is_meta:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    @contextlib.contextmanager
-    def patched():
-        torch.nn.Module.register_parameter = register
-        try:
-            yield
-        finally:
-            torch.nn.Module.register_parameter = original
-
-    return patched()
 
 
 def fsdp_job(a, model):

@@ -14,7 +14,7 @@ from torch import nn
 
 from symbiont.client.errors import InvalidCallError
 from symbiont.client.transport import Transport, open_transport
-from symbiont.proto import codec
+from symbiont.proto import codec, meta
 from symbiont.proto import executor_pb2 as pb
 
 
@@ -277,24 +277,12 @@ def connect(url: str = "local://symbiont", **kwargs) -> Connection:
     return Connection(url, **kwargs)
 
 
-@contextlib.contextmanager
 def parameters_on_meta():
     """Builds modules with parameters on the meta device (no memory) but real buffers, so
     computed buffers such as rotary frequencies stay correct. A model built under it can be
     virtualized (its units never had weights), then take its non-unit weights with
     `load_state_dict(state, strict=False, assign=True)`; `Connection.model` does all of it."""
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+    return meta.parameters_on_meta()
 
 
 @contextlib.contextmanager
