@@ -129,7 +129,10 @@ def _serve(args: argparse.Namespace) -> int:
     loaded = models.load_model(model_name, dtype)
     table = cat.UnitTable(loaded.model)
     if loaded.lazy:  # (its units' weights are drawn below, only this rank's)
-        models.seeded_fingerprints(table, model_name)
+        if tensor:
+            raise SystemExit(f"--model {model_name} (drawn rank by rank) under --placement tensor: each rank would draw it "
+                             "whole before slicing it; serve it with --placement layers")
+        models.seeded_fingerprints(table, model_name, device)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
         model=loaded.name,

@@ -172,14 +172,15 @@ def draw(seed: int, path: str, shape: tuple[int, ...], dtype: torch.dtype, devic
     return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
 
-def seeded_fingerprints(table, name: str) -> None:
-    """A lazy built-in's fingerprints, before any weight is drawn: its name, seed and the unit's path."""
+def seeded_fingerprints(table, name: str, device: torch.device) -> None:
+    """A lazy built-in's fingerprints, before any weight is drawn: its name, seed, the kind of device
+    that draws it (CPU and CUDA generators draw other values) and the unit's path."""
     from symbiont.proto.fingerprint import SEEDED
 
     spec = BUILTINS[name]
     for u in table.units.values():
         if not u.fingerprint:
-            u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{u.id}"
+            u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{device.type}:{u.id}"
 
 
 def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> None:

@@ -238,7 +238,7 @@ class TensorParallel:
             y = self._sum(F.linear(x[:, a:c], w))
             return y if y is None or op != pb.FORWARD or b is None else y + b
         if op == pb.BACKWARD:
-            g = torch.cat([x[:, lo:hi] for lo, hi in mine], dim=1) if len(mine) != 1 else x[:, mine[0][0]:mine[0][1]]
+            g = torch.cat([x[:, lo:hi] for lo, hi in mine], dim=1) if len(mine) > 1 else x[:, slice(*mine[0]) if mine else slice(0)]
             part = torch.mm(g, w.t()) if unit.kind == CONV1D else torch.mm(g, w)
             return self._sum(part)
         if unit.kind == LINEAR:

@@ -89,6 +89,8 @@ class Pair:
             done = torch.cuda.Event()
             done.record()
         done.synchronize()
+        with torch.cuda.stream(stream):
+            work.wait()  # (raises now if NCCL's watchdog failed the work: its buffer holds no bytes of the peer's)
 
     def warm_up(self, stream=None) -> None:
         """One byte each way: makes the communicator and connects both directions (NCCL does both

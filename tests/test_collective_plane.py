@@ -92,6 +92,32 @@ def test_refused_calls_keep_the_plane_in_step(executor):
         torch.testing.assert_close(y, big @ unit.weight.T, rtol=1e-5, atol=1e-6)
 
 
+def test_a_call_interrupted_between_its_reply_and_its_bytes_attaches_anew(executor, monkeypatch):
+    """An interrupt after the OK reply, before the result's bytes are taken: the plane would be out
+    of step, so the transport ends it and its stream; the next call attaches anew (a new plane) and
+    is exact."""
+    unit = build_builtin("tiny-llama").model.layers[0].self_attn.o_proj
+    d = unit.in_features
+    with connect(executor.grpc, plane="nccl") as conn:
+        conn.ensure_attached()
+        t = conn.transport
+        first_id = t.tenant_id
+        receive = type(t)._receive
+
+        def interrupted(self, pair, reply):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(t), "_receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            t.call("model.layers.0.self_attn.o_proj", pb.FORWARD, torch.randn(3, d), (3, d), torch.float32, pb.TRAINING)
+        monkeypatch.setattr(type(t), "_receive", receive)
+        x = torch.randn(4, d)
+        with pytest.warns(RuntimeWarning, match="attached again"):
+            y = t.call("model.layers.0.self_attn.o_proj", pb.FORWARD, x, (4, d), torch.float32, pb.TRAINING)
+        torch.testing.assert_close(y, x @ unit.weight.T, rtol=1e-5, atol=1e-6)
+        assert t.tenant_id != first_id and on_plane(conn)
+
+
 def test_a_header_whose_bytes_cannot_be_known_ends_only_that_tenant(executor):
     """A call on the plane whose header does not say how many bytes come (a negative dimension):
     the executor cannot stay in step with that tenant, so it ends its stream with a typed error;
@@ -218,3 +244,21 @@ def test_a_gpu_tenant_of_another_gpu_takes_its_nccl_plane_as_if_from_another_hos
                 torch.testing.assert_close(virt(x).logits, ref(x).logits, **tol)
             assert "remote, nccl plane" in [t.placement for t in observer.stats().tenant_stats]
         conn.close()
+
+
+def test_a_tenant_that_never_sends_its_bytes_does_not_hold_up_a_stopping_executor():
+    """A live tenant sent a header on its plane and never the bytes: the plane's thread waits in
+    its receive, and the executor still stops at once when asked (the thread is a daemon)."""
+    from tests.conftest import Executor
+
+    port = free_port()
+    ex = Executor("tiny-llama", "--listen", f"grpc://127.0.0.1:{port}", "--insecure")
+    conn = connect(f"grpc://127.0.0.1:{port}", plane="nccl", reconnect_s=0)
+    conn.ensure_attached()
+    raw = pb.CallRequest(call_id=1, unit="model.layers.0.self_attn.o_proj", op=pb.FORWARD, dtype=pb.FLOAT32,
+                         shape=[4, 64], on_plane=True)
+    conn.transport._requests.put(raw.SerializeToString())
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert ex.stop(timeout_s=20) == 0, ex.log()
+    assert time.monotonic() - t0 < 15

@@ -223,3 +223,15 @@ def test_a_lazy_builtin_is_drawn_only_where_served(world):
         members = {m for u in catalog.units for m in u.members}
         total = sum(1 for u in catalog.units if u.id not in members)
         assert len(drawn) == world and sum(drawn) == total and all(0 < n < total or world == 1 for n in drawn), (drawn, total)
+
+
+def test_tensor_placement_with_unfused_members_on_ranks_that_hold_none_of_their_rows():
+    """At 4 ranks a member of the q/k/v group has no rows on some ranks: its calls (unfused, each
+    member alone) still take every rank's part, forward and backward (LoRA steps as unsplit)."""
+    name = "tiny-llama"
+    with running_executor(name, "--devices", "cpu,cpu,cpu,cpu", "--placement", "tensor") as ex:
+        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url, fuse=False)
+        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
+        for m in virt.modules():
+            if isinstance(m, VirtLayer):
+                m.transport.close()

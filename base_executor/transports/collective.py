@@ -12,6 +12,7 @@ import concurrent.futures
 import datetime
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -34,8 +35,9 @@ class TenantPlane:
         self.ready = threading.Event()  # the group is made and warmed up, or failed (error)
         self.error = ""
         self.closed = False
-        # its receives: one thread, so a tenant that never sends its bytes holds up no one else's
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"plane-{tenant_id}")
+        # its receives and sends: one thread, so a tenant that never sends its bytes holds up no one
+        # else; a daemon, so it never keeps a stopping executor alive (gloo's abort does not wake a receive)
+        self.pool = _DaemonWorker(f"plane-{tenant_id}")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def open(self, store) -> None:
@@ -88,8 +90,39 @@ class TenantPlane:
             return
         self.closed = True
         if self.pair is not None:
-            self.pair.close()  # (aborts a receive still posted: the pool's thread returns)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pair.close()  # (NCCL: aborts a receive still posted; gloo's ends at its timeout, in a daemon thread)
+        self.pool.shutdown(wait=False)
+
+
+class _DaemonWorker(concurrent.futures.Executor):
+    """One daemon thread running what is submitted, in order (asyncio's run_in_executor takes it)."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closed:
+            future.set_exception(ConnectionError("the collective plane is closed"))
+        else:
+            self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                future.set_exception(e)
 
 
 class CollectivePlanes:

@@ -350,8 +350,11 @@ class GrpcServer:
             nbytes = codec.nbytes(tuple(req.shape), codec.torch_dtype(req.dtype))
         except (ValueError, KeyError, TypeError) as e:
             raise PlaneBroken(f"a call on a collective plane whose bytes its header does not say ({e})") from None
-        if any(d < 0 for d in req.shape) or nbytes > self.config.max_call_bytes:
-            raise PlaneBroken(f"a call on a collective plane of shape {list(req.shape)} (at most {self.config.max_call_bytes} bytes)")
+        if any(d < 0 for d in req.shape):
+            raise PlaneBroken(f"a call on a collective plane of shape {list(req.shape)}")
+        if nbytes > self.config.max_call_bytes:
+            raise PlaneBroken(f"a call on a collective plane of {nbytes} bytes (at most {self.config.max_call_bytes})",
+                              pb.RESOURCE_EXHAUSTED)
         return nbytes
 
     def _to_call(self, t: RemoteTenant, req: pb.CallRequest, payload) -> Call:

@@ -209,16 +209,15 @@ class GrpcTransport(Transport):
 
     def _call_once(self, unit, op, x, out_shape, out_dtype, latency, take=None):
         if self._requests is None:
+            if self.tenant_id:  # (its stream ended: a failed plane call) _call attaches again
+                raise ExecutorUnavailableError(f"{self.url}: this tenant's call stream ended")
             from symbiont.client.errors import NotAttachedError
 
             raise NotAttachedError(f"{self.url}: attach first")
         call_id = next(self._ids)
         head = self._request(unit, op, x, latency, call_id)
-        pair = self._pair
-        if pair is not None:  # the header, then its bytes (the executor receives as many as it says)
-            head.on_plane = True
-            self._requests.put(head.SerializeToString())
-            pair.send(x.detach().to(pair.device))
+        if self._pair is not None:
+            y = self._plane_call(self._pair, head, unit, op, x)
         else:
             host = x.detach()
             if host.device.type != "cpu":
@@ -227,6 +226,20 @@ class GrpcTransport(Transport):
                 msg = head if i == 0 else pb.CallRequest(call_id=call_id)
                 msg.payload, msg.more = piece, more
                 self._requests.put(msg.SerializeToString())
+            first, parts = self._reply(call_id, unit, op)
+            try:
+                y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
+            except ValueError as e:
+                raise MalformedMessageError(f"{self.url}: the result's {e}") from None
+        if y.dtype != out_dtype or y.shape != tuple(out_shape):
+            raise MalformedMessageError(f"{self.url}: result {tuple(y.shape)} {y.dtype}, expected {tuple(out_shape)} {out_dtype}")
+        if y.device != x.device:
+            y = y.to(x.device)
+        return y if take is None else take(y)
+
+    def _reply(self, call_id: int, unit: str, op: int) -> tuple[pb.CallReply, list[bytes]]:
+        """The reply to call `call_id` (its first message, and every message's payload); raises the
+        typed error of a refusal, ExecutorUnavailableError when the stream is gone."""
         parts, first = [], None
         try:
             while True:
@@ -238,25 +251,44 @@ class GrpcTransport(Transport):
                         raise MalformedMessageError(f"{self.url}: reply to call {reply.call_id}, expected {call_id}")
                 parts.append(reply.payload)
                 if not reply.more:
-                    break
+                    return first, parts
         except grpc.RpcError as e:
             self._requests = self._replies = None
             raise _unavailable(self.url, e) from None
         except StopIteration:
             self._requests = self._replies = None
             raise ExecutorUnavailableError(f"{self.url}: the executor ended this tenant's call stream") from None
+
+    def _plane_call(self, pair, head: pb.CallRequest, unit: str, op: int, x: torch.Tensor) -> torch.Tensor:
+        """A call whose tensors go on the collective plane: the header, then its bytes (the executor
+        receives as many as it says); after the OK reply, the result's bytes, which our stream waits
+        for (NCCL; gloo: this thread). A refusal leaves both ranks in step (the executor took the
+        bytes and sends none); anything else (an interrupt, a failed transfer, a reply out of order)
+        ends the stream and the plane, so the next call attaches anew (ExecutorUnavailableError:
+        `_call` attaches again and makes the call again) instead of reading another call's bytes."""
+        from symbiont.client.errors import SymbiontError
+
+        head.on_plane = True
         try:
-            if pair is not None:
-                y = self._receive(pair, first)
-            else:
-                y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
-        except ValueError as e:
-            raise MalformedMessageError(f"{self.url}: the result's {e}") from None
-        if y.dtype != out_dtype or y.shape != tuple(out_shape):
-            raise MalformedMessageError(f"{self.url}: result {tuple(y.shape)} {y.dtype}, expected {tuple(out_shape)} {out_dtype}")
-        if y.device != x.device:
-            y = y.to(x.device)
-        return y if take is None else take(y)
+            self._requests.put(head.SerializeToString())
+            pair.send(x.detach().to(pair.device))
+            first, _ = self._reply(head.call_id, unit, op)
+            return self._receive(pair, first)
+        except SymbiontError as e:
+            if isinstance(e, (ExecutorUnavailableError, MalformedMessageError)):
+                self._break_plane()
+            raise
+        except BaseException as e:
+            self._break_plane()
+            if not isinstance(e, Exception):  # (an interrupt: the caller's)
+                raise
+            raise ExecutorUnavailableError(f"{self.url}: the collective plane failed ({type(e).__name__}: "
+                                           f"{str(e).splitlines()[0] if str(e) else ''})") from e
+
+    def _break_plane(self) -> None:
+        """Ends the call stream (the executor detaches us) and our end of the plane."""
+        self._close_stream()
+        self._close_pair()
 
     def _receive(self, pair, reply: pb.CallReply) -> torch.Tensor:
         """The result of a call on the plane, once its OK reply came: our stream waits for its bytes
