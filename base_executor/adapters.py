@@ -127,12 +127,10 @@ class Merged:
     switch_s: float  # how long making them took
 
 
-def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], fused: list | None = None) -> Unit | None:
+def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list) -> Unit | None:
     """A copy of `unit` with scale B A added to the output rows [a, b) of each part (None: no part).
-    Rows no part adapts are copied. Adapted rows: with `fused` (a list), their (served rows, copy's
-    rows, delta) are appended for _merge_rows to write in one launch, once each from the served rows
-    (one read and one write of the unit, the least a copy can cost); otherwise one addmm each
-    (accumulated in float32, rounded once; ATen writes such rows twice)."""
+    Rows no part adapts are copied now; the adapted rows' (served rows, copy's rows, delta) are
+    appended to `adapted`, for _merge_rows to write."""
     if not parts:
         return None
     source = unit.weight if unit.kind == LINEAR else unit.weight.t()  # [out, in] either way
@@ -142,10 +140,7 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], fused: list | 
     for a, b, delta in sorted(parts, key=lambda p: p[0]):
         if a > done:
             rows[done:a].copy_(source[done:a])
-        if fused is not None and rows.stride(1) == 1 and source.stride(1) == 1:
-            fused.append((source[a:b], rows[a:b], delta))
-        else:
-            torch.addmm(source[a:b], delta.b.to(rows.dtype), delta.a.to(rows.dtype), alpha=delta.scale, out=rows[a:b])
+        adapted.append((source[a:b], rows[a:b], delta))
         done = b
     if done < rows.shape[0]:
         rows[done:].copy_(source[done:])
@@ -156,19 +151,27 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], fused: list | 
     return dataclasses.replace(unit, weight=weight, members=members)
 
 
-def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]]) -> None:
-    """Writes out = served + scale B A for every (served rows, out rows, delta) of `parts`, in one
-    launch of the merge kernel; one addmm each where the kernel cannot take them."""
-    try:
-        from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: bool) -> None:
+    """Writes out = served + scale B A (accumulated in float32, rounded once) for every (served
+    rows, out rows, delta) of `parts`. With `kernel` (a GPU), the rows contiguous along their inputs
+    in one launch of the merge kernel, each read once and written once (one read and one write of
+    the unit, the least a copy can cost); the others, and all without it, by one addmm each (ATen
+    writes such rows twice)."""
+    rest = parts
+    if kernel:
+        rows = [p for p in parts if p[0].stride(1) == 1 and p[1].stride(1) == 1]
+        try:
+            if rows:
+                from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
 
-        dtype = parts[0][0].dtype
-        loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in parts]
-        merge_lora_(plan_merge([w for w, _, _ in parts], loras, outs=[o for _, o, _ in parts]))
-    except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
-        log.debug("merged copies by addmm: %s", e)
-        for w, o, d in parts:
-            torch.addmm(w, d.b.to(o.dtype), d.a.to(o.dtype), alpha=d.scale, out=o)
+                dtype = rows[0][0].dtype
+                loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in rows]
+                merge_lora_(plan_merge([w for w, _, _ in rows], loras, outs=[o for _, o, _ in rows]))
+            rest = [p for p in parts if not (p[0].stride(1) == 1 and p[1].stride(1) == 1)]
+        except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
+            log.debug("merged copies by addmm: %s", e)
+    for w, o, d in rest:
+        torch.addmm(w, d.b.to(o.dtype), d.a.to(o.dtype), alpha=d.scale, out=o)
 
 
 class AdapterRegistry:
@@ -393,19 +396,18 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         deltas = self.on_device(adapter, count=False)
         units: dict[str, Unit] = {}
-        fused = [] if self.device.type == "cuda" else None  # (adapted rows, for one kernel launch)
+        adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
         for unit in self.table.units.values():  # groups first: a member called alone reads its group's copy
             if unit.members and unit.kind in (LINEAR, CONV1D):
-                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas], fused)
+                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas], adapted)
                 if merged is not None:
                     units[unit.id] = merged
                     units.update((m.id, m) for m in merged.members if m.id in deltas)
         for unit_id, delta in deltas.items():
             unit = self.table.get(unit_id)
             if unit_id not in units and unit is not None:
-                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)], fused)
-        if fused:
-            _merge_rows(fused)
+                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)], adapted)
+        _merge_rows(adapted, kernel=self.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

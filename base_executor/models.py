@@ -7,6 +7,7 @@ model's seed and the unit's path, so any rank draws the same values for a unit o
 device, whatever else it holds. Its fingerprints name the seed and path (`seeded_fingerprints`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -15,6 +16,8 @@ import tempfile
 from typing import Callable
 
 import torch
+
+from symbiont.proto import meta
 
 log = logging.getLogger("base_executor")
 
@@ -146,7 +149,8 @@ def build_builtin(name: str, dtype: torch.dtype = torch.float32, units_on_meta: 
         raise ValueError(f"built-in {name!r} is a shipped checkpoint, not a random config")
     config = spec.config()
     config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]), (_matrices_on_meta() if spec.lazy else _nothing()):
+    # a lazy built-in: its units' weights (every parameter of 2+ dimensions) on the meta device, nothing drawn
+    with torch.random.fork_rng(devices=[]), (meta.parameters_on_meta(meta.matrices) if spec.lazy else contextlib.nullcontext()):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(dtype).eval()
@@ -207,20 +211,6 @@ def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> No
     for u in table.units.values():
         if u.tied_to and u.tied_to in table.units:
             u.weight = table.units[u.tied_to].weight
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _matrices_on_meta():
-    """Builds modules with their parameters of two or more dimensions (the units' weights) on the
-    meta device: no memory, and nothing drawn; the rest (norms, biases, buffers) as usual."""
-    from symbiont.proto import meta
-
-    return meta.parameters_on_meta(meta.matrices)
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

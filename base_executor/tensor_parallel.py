@@ -87,8 +87,11 @@ class TensorParallel:
         owners = [o for o in self.units if not o.group and o.kind != MLP]
         self.rows = {o.id: [self._owner_rows(o, r) for r in range(world)] for o in owners}
         held: dict[int, torch.Tensor] = {}  # id(a full weight) -> this rank's slice (a tied lm_head shares its embedding's)
-        mine = {o.id: held.setdefault(id(o.weight), self._slice(o, self.rows[o.id][rank])) if id(o.weight) not in held
-                else held[id(o.weight)] for o in owners}
+        mine: dict[str, torch.Tensor] = {}  # owner -> its slice on this rank
+        for o in owners:
+            if id(o.weight) not in held:
+                held[id(o.weight)] = self._slice(o, self.rows[o.id][rank])
+            mine[o.id] = held[id(o.weight)]
         self.parts: dict[str, _Part] = {}
         for u in self.units:
             if u.kind != MLP:
@@ -137,14 +140,14 @@ class TensorParallel:
     def _part(self, u: Unit, groups: dict[str, Unit], mine: dict[str, torch.Tensor]) -> _Part:
         """u on this rank: the view of its owner's slice that is u's, and every rank's ranges of u's columns."""
         owner = groups[u.group] if u.group else u
-        m0, m1 = u.rows if u.group else (0, self._n_rows(u))
-        ranges = []
-        for r in range(self.world):  # the owner's rows of rank r that are u's, in u's columns
-            ranges.append([(max(a, m0) - m0, min(b, m1) - m0) for a, b in self.rows[owner.id][r] if max(a, m0) < min(b, m1)])
         w = mine[owner.id]
         mlp = self.paired.get(owner.id)
         if mlp is not None and owner is mlp.members[1]:  # down: row-parallel, its input columns
             return _Part(w, u.bias.to(self.device) if u.bias is not None else None, self.rows[owner.id], by_input=True)
+        m0, m1 = u.rows if u.group else (0, self._n_rows(u))
+        ranges = []
+        for r in range(self.world):  # the owner's rows of rank r that are u's, in u's columns
+            ranges.append([(max(a, m0) - m0, min(b, m1) - m0) for a, b in self.rows[owner.id][r] if max(a, m0) < min(b, m1)])
         # u's rows within this rank's slice (a member's rows are one contiguous run of the owner's slice)
         offset, lo, hi = 0, None, None
         for a, b in self.rows[owner.id][self.rank]:

@@ -281,11 +281,13 @@ def test_merged_copies_by_the_kernel_equal_those_by_addmm():
     group = Unit("l.{q,k,v}", "linear", w, None, 64, 160, members=(member("q", 0, 96), member("k", 96, 128), member("v", 128, 160)))
     parts = [(a, b, Delta(torch.randn(8, 64, device=DEV, generator=g), torch.randn(b - a, 8, device=DEV, generator=g), 0.5))
              for a, b in ((0, 96), (128, 160))]
-    by_addmm = _merged_unit(group, parts)
-    fused = []
-    by_kernel = _merged_unit(group, parts, fused)
-    assert len(fused) == 2
-    _merge_rows(fused)
+    adapted = []
+    by_addmm = _merged_unit(group, parts, adapted)
+    _merge_rows(adapted, kernel=False)
+    adapted = []
+    by_kernel = _merged_unit(group, parts, adapted)
+    assert len(adapted) == 2
+    _merge_rows(adapted, kernel=True)
     assert torch.equal(w, served)
     assert torch.equal(by_kernel.weight[96:128], served[96:128])
     ulp = eps(torch.bfloat16) * by_addmm.weight.float().abs() * 2 + 1e-6

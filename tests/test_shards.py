@@ -53,6 +53,16 @@ def _kill_rank_mid_forward(rank: int, virt, x, then=lambda: None) -> Exception |
     return failure[0] if failure else None
 
 
+def _lora_steps_match(name: str, url: str, **options) -> None:
+    """Two SGD steps of a LoRA model virtualized at url (virtualize's options) match the unsplit
+    model's; then its transports (one per rank) detach."""
+    ref, virt = lora_model(name), virtualize(lora_model(name), url, **options)
+    assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
+    for m in virt.modules():
+        if isinstance(m, VirtLayer):
+            m.transport.close()
+
+
 def test_layers_are_contiguous_and_balanced():
     assert shards._contiguous_parts([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
     assert shards._contiguous_parts([3, 1, 1, 1], 2) == [(0, 1), (1, 4)]
@@ -115,11 +125,7 @@ def test_sharded_executor_matches_the_unsplit_model(world, placement):
         assert torch.equal(ref.generate(prompt, **kw), virt.generate(prompt, **kw))
         conn.close()
 
-        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url)
-        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
-        for m in virt.modules():
-            if isinstance(m, VirtLayer):
-                m.transport.close()
+        _lora_steps_match(name, ex.url)
 
 
 def test_any_rank_address_serves_the_whole_model_and_grpc_tenants_get_grpc_ranks():
@@ -213,11 +219,7 @@ def test_a_lazy_builtin_is_drawn_only_where_served(world):
         prompt = ids(1, 6, seed=3)
         assert torch.equal(ref.generate(prompt, **kw), virt.generate(prompt, **kw))
         conn.close()
-        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url)
-        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
-        for m in virt.modules():
-            if isinstance(m, VirtLayer):
-                m.transport.close()
+        _lora_steps_match(name, ex.url)
         # every rank logs how many units it drew (ranks 1.. into rank 0's output): each unit on one rank
         drawn = [int(line.split("drew the weights of ")[1].split()[0]) for line in ex.log().splitlines() if "drew the weights of" in line]
         members = {m for u in catalog.units for m in u.members}
@@ -230,8 +232,4 @@ def test_tensor_placement_with_unfused_members_on_ranks_that_hold_none_of_their_
     member alone) still take every rank's part, forward and backward (LoRA steps as unsplit)."""
     name = "tiny-llama"
     with running_executor(name, "--devices", "cpu,cpu,cpu,cpu", "--placement", "tensor") as ex:
-        ref, virt = lora_model(name), virtualize(lora_model(name), ex.url, fuse=False)
-        assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))
-        for m in virt.modules():
-            if isinstance(m, VirtLayer):
-                m.transport.close()
+        _lora_steps_match(name, ex.url, fuse=False)

@@ -37,14 +37,12 @@ class TenantPlane:
         self.closed = False
         # its receives and sends: one thread, so a tenant that never sends its bytes holds up no one
         # else; a daemon, so it never keeps a stopping executor alive (gloo's abort does not wake a receive)
-        self.pool = _DaemonWorker(f"plane-{tenant_id}")
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool = _DaemonWorker(f"plane-{tenant_id}", device)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # (None: torch.cuda.stream does nothing)
 
     def open(self, store) -> None:
         """(its pool's thread) Makes the group; the tenant makes its end after the attach reply."""
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
             self.pair = collective.Pair(store, self.prefix, collective.EXECUTOR, self.backend, self.device, self.timeout_s)
             self.pair.warm_up(self.side)
             log.info("tenant %d: collective plane (%s) up", self.tenant_id, self.backend)
@@ -59,11 +57,7 @@ class TenantPlane:
         device once this returns."""
         if not self.ready.wait(self.timeout_s) or self.pair is None:
             raise ConnectionError(f"no collective plane ({self.error or 'not up in time'})")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(self.side):  # (the buffer belongs to this stream: reused only by our receives)
-                buf, work = self.pair.recv(nbytes)
-        else:
+        with torch.cuda.stream(self.side):  # (the buffer belongs to this stream: reused only by our receives)
             buf, work = self.pair.recv(nbytes)
         self.pair.wait_host(work, self.side)
         return buf
@@ -74,13 +68,9 @@ class TenantPlane:
         try:
             if self.pair is None:
                 raise ConnectionError("no collective plane")
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                with torch.cuda.stream(self.side):
-                    if event is not None:
-                        self.side.wait_event(event)
-                    self.pair.send(y)
-            else:
+            with torch.cuda.stream(self.side):
+                if event is not None:
+                    self.side.wait_event(event)
                 self.pair.send(y)
         except Exception as e:  # (closed: the tenant left; its receive fails with it)
             log.warning("tenant %d: a result did not go on its collective plane: %s", self.tenant_id, e)
@@ -95,12 +85,13 @@ class TenantPlane:
 
 
 class _DaemonWorker(concurrent.futures.Executor):
-    """One daemon thread running what is submitted, in order (asyncio's run_in_executor takes it)."""
+    """One daemon thread running what is submitted, in order (asyncio's run_in_executor takes it),
+    with `device` its current device."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device: torch.device):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        threading.Thread(target=self._run, args=(device,), name=name, daemon=True).start()
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -114,7 +105,9 @@ class _DaemonWorker(concurrent.futures.Executor):
         self._closed = True
         self._jobs.put(None)
 
-    def _run(self) -> None:
+    def _run(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         while (job := self._jobs.get()) is not None:
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():

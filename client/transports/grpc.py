@@ -131,20 +131,21 @@ class GrpcTransport(Transport):
         return ""  # (no data area on the executor's GPU from another host)
 
     def _extend_attach(self, request: pb.AttachRequest) -> None:
-        if self.plane == "nccl" and self.device.type != "cuda":
-            if self.control("catalog", pb.CatalogRequest()).catalog.collective_plane == "nccl":
-                raise ValueError(f"{self.url}: an NCCL plane carries a GPU tenant's tensors; this tenant is on {self.device}")
-        if self.plane == "nccl" or (self.plane == "auto" and self._plane_helps()):
-            request.plane = "nccl"
-
-    def _plane_helps(self) -> bool:
-        """auto: a tenant on a GPU, to an executor on another GPU that offers NCCL planes."""
-        if self.device.type != "cuda":
-            return False
+        """Asks for a collective plane: plane="nccl", or "auto" for a tenant on a GPU whose executor,
+        on another GPU, offers NCCL planes."""
+        if self.plane == "stream" or (self.plane == "auto" and self.device.type != "cuda"):
+            return
         catalog = self.control("catalog", pb.CatalogRequest()).catalog
-        from symbiont.proto.cuda_ipc import device_uuid
+        nccl = catalog.collective_plane == "nccl"
+        if self.device.type != "cuda":  # (plane="nccl")
+            if nccl:
+                raise ValueError(f"{self.url}: an NCCL plane carries a GPU tenant's tensors; this tenant is on {self.device}")
+        elif self.plane == "auto":
+            from symbiont.proto.cuda_ipc import device_uuid
 
-        return catalog.collective_plane == "nccl" and catalog.device_uuid not in ("", device_uuid(self.device))
+            if not nccl or catalog.device_uuid in ("", device_uuid(self.device)):
+                return
+        request.plane = "nccl"
 
     def _attached(self, reply: pb.AttachReply) -> None:
         self._open_stream()
