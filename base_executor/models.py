@@ -103,6 +103,8 @@ BUILTINS: dict[str, Builtin] = {
     ),
     "llama-1b": Builtin("Llama-3.2-1B shape (16 layers, hidden 2048), random", _llama(2048, 8192, 16, 32, 8, True)),
     "llama-8b": Builtin("Llama-3.1-8B shape (32 layers, hidden 4096), random", _llama(4096, 14336, 32, 32, 8, False)),
+    "llama-8b-lazy": Builtin("llama-8b's shape, random, drawn lazily per unit where served (a sharded executor loads in "
+                             "seconds)", _llama(4096, 14336, 32, 32, 8, False), lazy=True),
     "llama-70b": Builtin("Llama-3.1-70B shape (80 layers, hidden 8192), random, drawn lazily: a rank draws only its own "
                          "units (141 GB in bfloat16: more than one GPU holds)", _llama(8192, 28672, 80, 64, 8, False), lazy=True),
     "tiny-llama-lazy": Builtin("tiny-llama's shape, random, drawn lazily per unit (tests of rank-wise loading)",

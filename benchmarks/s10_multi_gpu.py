@@ -27,7 +27,7 @@ import time
 
 import fleet
 
-FLOPS_PER_TOKEN = {"llama-1b": 5.0e9, "llama-8b": 33e9}
+FLOPS_PER_TOKEN = {"llama-1b": 5.0e9, "llama-8b": 33e9, "llama-70b": 2.9e11}
 
 
 def main() -> int:
@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--ks", default="1,4,8,12")
     p.add_argument("--max-processes", type=int, default=6, help="the most plain processes to run (each holds a whole model)")
+    p.add_argument("--executor-model", default="", help="the built-in the executors serve (default --model; "
+                   "llama-8b-lazy: llama-8b's shape drawn per rank, loads in seconds)")
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (default: one with --serve-args)')
     p.add_argument("--seconds", type=float, default=20.0)
@@ -93,7 +95,7 @@ def main() -> int:
     variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="opportunistic", serve_args=a.serve_args))
     for name, flags in variants:
         t0 = time.monotonic()
-        proc, url = fleet.start_executor(a.model, devices[0], "--devices", ",".join(devices), *flags, log_dir=out)
+        proc, url = fleet.start_executor(a.executor_model or a.model, devices[0], "--devices", ",".join(devices), *flags, log_dir=out)
         print(f"executor {name} over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
         try:
             for k in ks:
