@@ -201,7 +201,11 @@ def main() -> int:
                    "(the executor computes it; the tenant holds none)")
     p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
     p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
+    p.add_argument("--mps-priority", default="", help="this process's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below "
+                   "normal: its kernels' blocks go after other clients')")
     a = p.parse_args()
+    if a.mps_priority:  # (read when CUDA starts in this process, which is below)
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
 
     model, conn = build(a)
     targets = a.targets.split(",")

@@ -26,6 +26,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--train-mps-priority", default="", help="comma list: the mixed fleet once per value, its fine-tuning "
+                   "tenants' CUDA_MPS_CLIENT_PRIORITY (1: below normal; '' the default)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -39,12 +41,13 @@ def main() -> int:
     for policy, flags in fleet.executor_variants(a):
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
         try:
-            for name, fleet_args in (
-                (f"{total} inference", [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(total)]),
-                (f"{a.inference} inference + {a.finetune} fine-tuning",
-                 [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
-                 + [["--mode", "symbiont", "--url", url, "--index", str(i), *train] for i in range(a.finetune)]),
-            ):
+            fleets = [(f"{total} inference", [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(total)])]
+            for priority in a.train_mps_priority.split(","):
+                fleets.append((f"{a.inference} inference + {a.finetune} fine-tuning" + (f" (MPS {priority})" if priority else ""),
+                               [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
+                               + [["--mode", "symbiont", "--url", url, "--index", str(i), *train, "--mps-priority", priority]
+                                  for i in range(a.finetune)]))
+            for name, fleet_args in fleets:
                 before = fleet.executor_stats(url)
                 res, base, peak = fleet.run_fleet(fleet_args, a.seconds)
                 after = fleet.executor_stats(url)
@@ -59,9 +62,9 @@ def main() -> int:
             fleet.stop(proc)
     print(f"\nS4 {a.model}: {total} inference tenants against {a.inference} inference + {a.finetune} fine-tuning, "
           f"{a.seconds:.0f} s windows")
-    print(f"{'policy':<14} {'fleet':<32} {'gen tok/s':>9} {'ITL p50':>8} {'p99':>7} {'trained tok/s':>13} {'calls/batch':>11}")
+    print(f"{'policy':<14} {'fleet':<40} {'gen tok/s':>9} {'ITL p50':>8} {'p99':>7} {'trained tok/s':>13} {'calls/batch':>11}")
     for r in rows:
-        print(f"{r['policy']:<14} {r['fleet']:<32} {r['generated_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
+        print(f"{r['policy']:<14} {r['fleet']:<40} {r['generated_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
               f"{r['trained_per_s']:>13.0f} {r['batches']['calls_per_batch']:>11.2f}")
     path = out / f"s4_{a.model}_{a.tag}.json"
     path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
