@@ -93,6 +93,14 @@ def _serve(args: argparse.Namespace) -> int:
         # batches stalled the fleet (S4's mix, 2026-11-26): under lockstep, inputs are waited for on the host.
         args.no_gpu_waits = True
         log.info("lockstep: calls wait for their inputs on the host (as --no-gpu-waits)")
+    if shard is not None and device.type == "cuda" and not args.no_gpu_waits:
+        # Over several GPUs every tenant has streams of its own in every rank's process, and under
+        # MPS with peers the GPU waits for tenants' inputs stalled whole ranks: S10 at K = 8 and 12
+        # on 2 x H100, "its input copy did not finish within 30 s" for every tenant of a rank at
+        # once (2026-11-25 and -26). Host waits never stalled there and were faster (15.6k against
+        # 12.9k tokens/s at K = 8; benchmarks/RESULTS.md, S10).
+        args.no_gpu_waits = True
+        log.info("over several devices: calls wait for their inputs on the host (as --no-gpu-waits)")
     if device.type == "cuda" and not args.no_gpu_waits:
         # Loading a kernel at its first launch (CUDA's lazy loading) synchronises all our GPU work,
         # a stream that waits for a tenant's input included: one stalled tenant would stall every
