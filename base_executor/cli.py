@@ -131,7 +131,6 @@ def _serve(args: argparse.Namespace) -> int:
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens,
-        urgent_inference=not args.no_urgent_inference,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -444,9 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "per kernel; a tenant's graphs hold its largest MLP call's intermediates); 0: never")
     s.add_argument("--no-native-serve", action="store_true", help="same GPU: serve every call from Python (by default "
                    "a lone tenant's calls that repeat one already run as a CUDA graph are served natively, no Python per call)")
-    s.add_argument("--no-urgent-inference", action="store_true", help="same GPU: every tenant's calls on streams of one "
-                   "priority (by default a tenant whose calls are of the inference class, a decoding one, has them run "
-                   "on a stream of the GPU's greatest priority, ahead of fine-tuning tenants' long GEMMs)")
     s.add_argument("--solo-tokens", type=int, default=1, help="same GPU: a call of at least this many tokens runs at "
                    "once on its tenant's own stream, never waiting for a batch (the tenants' streams overlap on the "
                    "GPU); default 1: every call; N > 1 batches the smaller ones; 0: only a lone tenant's calls run so")

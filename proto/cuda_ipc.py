@@ -65,8 +65,6 @@ def _driver():
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        lib.cuStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
-        lib.cuCtxGetStreamPriorityRange.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
@@ -215,28 +213,20 @@ def reached(word: int, value: int) -> bool:
     return (word - value) & 0xFFFFFFFF < 0x80000000
 
 
-_spare_streams: dict[tuple[int, bool], list] = {}  # (device index, urgent) -> streams given back by drop_stream
+_spare_streams: dict[int, list] = {}  # device index -> streams given back by drop_stream
 _spare_lock = threading.Lock()
-_urgent_streams: set[int] = set()  # handles of the streams own_stream made urgent
 
 
-def own_stream(device: torch.device, urgent: bool = False) -> torch.cuda.ExternalStream:
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A stream nobody else uses (torch's pool hands the same streams out again): what waits on
-    it stalls nothing else. Urgent: of the GPU's greatest priority (its kernels' blocks go before
-    those of streams of lower priority, in this process and, under MPS, in every client's),
-    else of the least, the priority of torch's streams. Give it back with drop_stream."""
+    it stalls nothing else. Give it back with drop_stream."""
     with _spare_lock:
-        spare = _spare_streams.get((device.index, urgent))
+        spare = _spare_streams.get(device.index)
         if spare:
             return spare.pop()
     s = ctypes.c_void_p()
     with _current(device):
-        least, greatest = ctypes.c_int(), ctypes.c_int()
-        _check(_driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)), "cuCtxGetStreamPriorityRange")
-        priority = greatest.value if urgent else least.value
-        _check(_driver().cuStreamCreateWithPriority(ctypes.byref(s), 1, priority), "cuStreamCreateWithPriority")  # 1: non-blocking
-    if urgent:
-        _urgent_streams.add(s.value)
+        _check(_driver().cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")  # 1: non-blocking
     return torch.cuda.ExternalStream(s.value, device=device)
 
 
@@ -247,7 +237,7 @@ def drop_stream(device: torch.device, stream: torch.cuda.ExternalStream) -> None
     weights), and marks that use with an event on the stream when the memory goes, maybe long after
     its tenant left; on a destroyed stream that aborts the process."""
     with _spare_lock:
-        _spare_streams.setdefault((device.index, stream.cuda_stream in _urgent_streams), []).append(stream)
+        _spare_streams.setdefault(device.index, []).append(stream)
 
 
 def unpin_host(device: torch.device, ptr: int) -> None:

@@ -63,40 +63,6 @@ def test_same_gpu_tenant_parity(name):
         assert "CUDA IPC" in ex.log()
 
 
-def test_own_streams_of_two_priorities():
-    from symbiont.proto.cuda_ipc import drop_stream, own_stream
-
-    dev = torch.device("cuda:0")
-    urgent, plain = own_stream(dev, urgent=True), own_stream(dev)
-    assert urgent.priority < plain.priority  # (CUDA: lower is more urgent)
-    for s in (urgent, plain):
-        drop_stream(dev, s)
-    assert own_stream(dev, urgent=True).cuda_stream == urgent.cuda_stream  # each pool gives its own kind back
-    assert own_stream(dev).cuda_stream == plain.cuda_stream
-
-
-@pytest.mark.parametrize("flags", [(), ("--no-urgent-inference",)])
-def test_tenant_whose_calls_change_class_stays_exact(flags):
-    """A same-GPU tenant that decodes (inference class: its calls move to a stream of the greatest
-    priority), trains (back to the least), and decodes again: every result as the unsplit model's,
-    its calls in order across the change of stream, native lane relearnt on the new one."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
-        x = ids(2, 13).cuda()
-        ref = lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda())
-        virt = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), ex.url)
-        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-        for _ in range(3):
-            assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
-            for m in (ref, virt):
-                m.zero_grad()
-                m(input_ids=x, labels=x).loss.backward()
-            assert_grads_close(lora_grads(ref), lora_grads(virt), rtol=1e-5)
-            with torch.no_grad():
-                torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
-        assert "Traceback" not in ex.log()
-
-
 def test_same_gpu_calls_that_wait_for_their_replies():
     """The same GPU with each call waiting for its reply (return_early off): same results."""
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -49,7 +49,6 @@ class Areas:
     stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
     awaiting: int = 0  # the input_seq queued on `stream` to wait for (0: none)
     warm: bool = False  # the data loop's GEMMs have run on `stream` once
-    urgent: bool = False  # `stream` is of the GPU's greatest priority (LocalServerConfig.urgent_inference)
     checked: dict = dataclasses.field(default_factory=dict)  # call headers found valid for this data area (LocalServer._check)
     graphs: "object | None" = None  # base_executor.graphs.CallGraphs of its calls on the data loop's stream
     own_graphs: "object | None" = None  # ... and on `stream`

@@ -75,11 +75,6 @@ class LocalServerConfig:
     native_serve: bool = True
     """Whether a lone same-GPU tenant's calls that repeat one already run as a CUDA graph on its own
     stream are served natively (proto._stream_ops.ServeLane: no Python per call)."""
-    urgent_inference: bool = True
-    """Whether a same-GPU tenant whose calls are of the inference class has them run on a stream of
-    the GPU's greatest priority (others on one of the least): the blocks of its small kernels go
-    before those of a fine-tuning tenant's long GEMMs, which otherwise hold every SM for
-    milliseconds while decoding tenants wait (S4). A tenant's stream changes with its calls' class."""
     solo_tokens: int = 1
     """A same-GPU call of at least this many tokens is taken at once on its tenant's own stream, as
     a lone tenant's is, even while others could join it: the tenants' streams then overlap on the
@@ -315,9 +310,6 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             return False
         if not (self._alone(t) or self._solo(t, req)):
             return False
-        urgent = self.config.urgent_inference and req.latency == pb.INFERENCE
-        if urgent != areas.urgent and not areas.waiting():  # (else on the stream it has, this time)
-            self._restream(t, urgent)
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
             # the stream's workspace): do that once, while no stream of ours waits on a tenant.
@@ -354,24 +346,6 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._native_failed = True
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
-
-    def _restream(self, t: Tenant, urgent: bool) -> None:
-        """t's calls run on a stream of the other priority from now on, after what its old stream
-        still runs (a GPU wait, no host one). Its lane, which serves on the old stream, goes: it
-        learns t's calls again as they come (their graphs stay)."""
-        from symbiont.proto.cuda_ipc import drop_stream, own_stream
-
-        areas = t.areas
-        stream = own_stream(self.core.device, urgent)
-        stream.wait_stream(areas.stream)
-        with self.lock:
-            self._fold_lane(areas)
-            areas.lane = None
-            areas.lane_keys.clear()
-            areas.lane_units.clear()
-            areas.lane_small = False
-        drop_stream(self.core.device, areas.stream)
-        areas.stream, areas.urgent, areas.warm = stream, urgent, False
 
     def _alone(self, t: Tenant) -> bool:
         """Whether t's next call would run alone: no call of t is queued, and no other tenant may

@@ -167,6 +167,8 @@ class LocalTransport(LocalCalls, Transport):
 
     def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
         if self._box is None:
+            if self._gone:  # (every call after the executor was found gone says so, not only the first)
+                raise ExecutorUnavailableError(self._gone)
             raise NotAttachedError(f"not attached to {self.url}: call attach() first (or the tenant was detached)")
         if self._box.detached:
             self._detached()
@@ -294,6 +296,7 @@ class LocalTransport(LocalCalls, Transport):
             self._executor_gone(f"the executor at {self.url} (pid {self._executor_pid}) died during a call")
 
     def _executor_gone(self, why: str):
+        self._gone = why
         self.tenant_id = 0
         self._teardown()
         raise ExecutorUnavailableError(why)
