@@ -191,6 +191,7 @@ class AdapterRegistry:
         self._next = 1
         self.merged: Merged | None = None
         self.dropped_merge = False  # the merged adapter was removed: its copies' graphs are still to drop
+        self.merge_kernel = True  # a GPU's merged copies by the one-launch kernel, else an addmm each (probes/merge_switch.py)
         self._epoch = 0
 
     def __len__(self) -> int:
@@ -407,7 +408,7 @@ class AdapterRegistry:
             unit = self.table.get(unit_id)
             if unit_id not in units and unit is not None:
                 units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)], adapted)
-        _merge_rows(adapted, kernel=self.device.type == "cuda")
+        _merge_rows(adapted, kernel=self.device.type == "cuda" and self.merge_kernel)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

@@ -28,6 +28,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--paths", default="kernel", help="comma list: how the merged copies are written, timed in turn in "
+                   "one run: kernel (one launch of the merge kernel for every adapted row), addmm (one per copy)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     from transformers import AutoModelForCausalLM
@@ -53,33 +55,39 @@ def main() -> int:
                                             a=A.view(torch.uint8).numpy().tobytes(), b=B.view(torch.uint8).numpy().tobytes()))
     adapter = registry.host(0, pb.HostAdapterRequest(name="probe", weights=weights))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    merges, unmerges, copies = [], [], []
-    for _ in range(a.repeat + 1):
-        sync()
-        t0 = time.perf_counter()
-        merged = registry.merge(adapter.id)  # (synchronises a GPU before it returns)
-        merges.append(time.perf_counter() - t0)
-        nbytes = merged.nbytes
-        t0 = time.perf_counter()
-        registry.unmerge()
-        del merged
-        unmerges.append(time.perf_counter() - t0)
-        src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)  # the floor: one read, one write
-        sync()
-        t0 = time.perf_counter()
-        dst = src.clone()
-        sync()
-        copies.append(time.perf_counter() - t0)
-        del src, dst
-    merge_ms, unmerge_ms, floor_ms = (1e3 * statistics.median(x[1:]) for x in (merges, unmerges, copies))
-    row = {"model": a.model, "rank": a.rank, "device": str(device), "dtype": a.dtype, "adapted_units": len(weights),
-           "copies_mb": nbytes / 2**20, "merge_ms": merge_ms, "unmerge_ms": unmerge_ms, "floor_ms": floor_ms,
-           "merge_over_floor": merge_ms / floor_ms}
-    print(json.dumps(row))
-    print(f"{a.model} rank {a.rank}, {len(weights)} projections, {nbytes / 2**30:.2f} GiB of copies: merge {merge_ms:.2f} ms, "
-          f"unmerge {unmerge_ms:.3f} ms; floor (a copy of as many bytes) {floor_ms:.2f} ms: {merge_ms / floor_ms:.2f}x")
+    rows = []
+    for path in a.paths.split(","):
+        if path not in ("kernel", "addmm"):
+            raise SystemExit(f"--paths: kernel or addmm, got {path!r}")
+        registry.merge_kernel = path == "kernel"
+        merges, unmerges, copies = [], [], []
+        for _ in range(a.repeat + 1):
+            sync()
+            t0 = time.perf_counter()
+            merged = registry.merge(adapter.id)  # (synchronises a GPU before it returns)
+            merges.append(time.perf_counter() - t0)
+            nbytes = merged.nbytes
+            t0 = time.perf_counter()
+            registry.unmerge()
+            del merged
+            unmerges.append(time.perf_counter() - t0)
+            src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)  # the floor: one read, one write
+            sync()
+            t0 = time.perf_counter()
+            dst = src.clone()
+            sync()
+            copies.append(time.perf_counter() - t0)
+            del src, dst
+        merge_ms, unmerge_ms, floor_ms = (1e3 * statistics.median(x[1:]) for x in (merges, unmerges, copies))
+        rows.append({"model": a.model, "rank": a.rank, "device": str(device), "dtype": a.dtype, "path": path,
+                     "adapted_units": len(weights), "copies_mb": nbytes / 2**20, "merge_ms": merge_ms, "unmerge_ms": unmerge_ms,
+                     "floor_ms": floor_ms, "merge_over_floor": merge_ms / floor_ms})
+        print(json.dumps(rows[-1]))
+        print(f"{a.model} rank {a.rank}, {len(weights)} projections, {nbytes / 2**30:.2f} GiB of copies, {path}: merge "
+              f"{merge_ms:.2f} ms, unmerge {unmerge_ms:.3f} ms; floor (a copy of as many bytes) {floor_ms:.2f} ms: "
+              f"{merge_ms / floor_ms:.2f}x", flush=True)
     if a.out:
-        pathlib.Path(a.out).write_text(json.dumps(row))
+        pathlib.Path(a.out).write_text(json.dumps(rows))
     return 0
 
 
