@@ -201,6 +201,8 @@ def main() -> int:
                    "(the executor computes it; the tenant holds none)")
     p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
     p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
+    p.add_argument("--checkpointing", action="store_true", help="finetune: gradient checkpointing (HF's), to fit "
+                   "more jobs at the cost of a second forward")
     p.add_argument("--mps-priority", default="", help="this process's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below "
                    "normal: its kernels' blocks go after other clients')")
     a = p.parse_args()
@@ -237,6 +239,8 @@ def main() -> int:
         model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name)
     if a.role == "finetune":
         model.train()
+        if a.checkpointing:  # (each layer's activations recomputed in backward: a tenant's forward calls twice)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.eval()
 

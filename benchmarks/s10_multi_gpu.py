@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--checkpointing", action="store_true", help="every job (process, FSDP rank, tenant) with "
+                   "gradient checkpointing: activations of one layer at a time, so more tenants fit")
     p.add_argument("--fsdp-jobs", default="1", help="FSDP baseline rows: jobs run at once, comma list ('' for none)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
@@ -58,7 +60,7 @@ def main() -> int:
 
     def common(i: int, device: str = "") -> list[str]:
         return ["--role", "finetune", "--model", a.model, "--device", device or devices[i % a.gpus], "--batch", str(a.batch),
-                "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)]
+                "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)] + (["--checkpointing"] if a.checkpointing else [])
 
     def row(k: int, who: str, res, peaks, **more) -> dict:
         used = [peaks[g] - idle[g] for g in range(a.gpus)]
