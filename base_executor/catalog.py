@@ -6,6 +6,7 @@ makes one call for the whole block; and the skeleton a tenant builds its model f
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
 import json
 
@@ -129,10 +130,11 @@ class UnitTable:
                 self._add_experts(path, pname, getattr(module, pname).detach())
         for members in sibling_sets(self.units.values()):
             self._add_group(model, members)
+        probes: dict = {}  # (a model's blocks of one kind and shape, probed once where their weights are on the meta device)
         for path, module in model.named_modules():
             layout = gated_mlp.layout(module)
             if layout is not None:
-                self._add_mlp(path, module, layout)
+                self._add_mlp(path, module, layout, probes)
 
     def _add_experts(self, path: str, name: str, weight: torch.Tensor) -> None:
         """One Linear unit per expert of a 3-D expert weight [experts, out, in] (proto/experts.py):
@@ -172,11 +174,12 @@ class UnitTable:
                 module.bias.data = m.bias
         self.units[group.id] = group
 
-    def _add_mlp(self, path: str, module: nn.Module, layout: gated_mlp.Layout) -> None:
+    def _add_mlp(self, path: str, module: nn.Module, layout: gated_mlp.Layout, probes: dict) -> None:
         """An MLP unit for a gated MLP block whose gate and up are one Linear unit (Phi-3's
         gate_up_proj) or two siblings that make a group, when a probe shows the unit's forward
         (runner.run) equal to the block's own. Its members: that unit (gate's columns, then
-        up's) and down."""
+        up's) and down. Weights on the meta device (made later, where served) are probed as a
+        stand-in block of random weights, once for all blocks of one kind, shape and dtype."""
         from symbiont.base_executor import runner
 
         *gate_up, down = (self.units.get(f"{path}.{n}") for n in layout.linears)
@@ -189,16 +192,23 @@ class UnitTable:
             (pair,) = gate_up
             if pair is None or pair.kind != LINEAR or pair.tied_to or pair.out_features % 2:
                 return
-        if down is None or down.tied_to or down.weight.is_meta:  # (a lazy built-in's weights: no probe, tenants call the Linears)
+        if down is None or down.tied_to:
             return
         act = getattr(module, layout.act)
         unit = Unit(id=path, kind=MLP, weight=None, bias=None, in_features=down.out_features, out_features=down.out_features,
                     members=(pair, down), act=act, act_backward=runner.act_backward_of(act, down.weight.dtype))
-        unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}"
-        x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
-        with torch.no_grad():
-            if not torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), module(x)):
+        unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}" if pair.fingerprint and down.fingerprint else ""
+        if down.weight.is_meta or pair.weight.is_meta:
+            key = (type(module).__name__, repr(act), tuple(pair.weight.shape), tuple(down.weight.shape), down.weight.dtype)
+            if key not in probes:
+                probes[key] = _probe_stand_in(unit, module, layout)
+            if not probes[key]:
                 return
+        else:
+            x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
+            with torch.no_grad():
+                if not torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), module(x)):
+                    return
         self.units[path] = unit
 
     def __len__(self) -> int:
@@ -274,6 +284,27 @@ def sibling_sets(units) -> list[list[Unit]]:
             if len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1:
                 sets.append(members)
     return sets
+
+
+def _probe_stand_in(unit: Unit, module: nn.Module, layout: gated_mlp.Layout) -> bool:
+    """UnitTable._add_mlp's probe for a block whose weights are on the meta device: a copy of it
+    with random weights, and the MLP unit over those, give bitwise the same forward."""
+    from symbiont.base_executor import runner
+
+    pair, down = unit.members
+    stand = copy.deepcopy(module).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():  # (a real parameter, a bias, keeps its values)
+            target = stand.get_parameter(name)
+            target.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.is_meta else p)
+        *gate_up, last = (stand.get_submodule(n) for n in layout.linears)
+        members = tuple(dataclasses.replace(m, weight=mod.weight, bias=mod.bias) for m, mod in zip(pair.members, gate_up))
+        probe = dataclasses.replace(unit, members=(
+            dataclasses.replace(pair, weight=torch.cat([m.weight for m in gate_up]), members=members),
+            dataclasses.replace(down, weight=last.weight, bias=last.bias)))
+        x = torch.randn(3, unit.in_features, generator=g).to(last.weight.dtype)
+        return torch.equal(runner.run(probe, pb.FORWARD, x, exact=True), stand(x))
 
 
 def _point_members(group: Unit) -> None:

@@ -134,13 +134,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
-    loaded = models.load_model(model_name, dtype)
+    loaded = models.load_model(model_name, dtype, rank_only=shard is not None and not tensor)
     table = cat.UnitTable(loaded.model)
-    if loaded.lazy:  # (its units' weights are drawn below, only this rank's)
+    if loaded.lazy:  # (its units' weights are made below, only this rank's)
         if tensor:
             raise SystemExit(f"--model {model_name} (drawn rank by rank) under --placement tensor: each rank would draw it "
                              "whole before slicing it; serve it with --placement layers")
-        models.seeded_fingerprints(table, model_name, device)
+        loaded.source.fingerprints(table, device)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
         model=loaded.name,
@@ -164,8 +164,8 @@ def _serve(args: argparse.Namespace) -> int:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
     if loaded.lazy:
-        models.draw_units(table, model_name, dtype, device)
-        log.info("drew the weights of %d units on %s", sum(1 for u in table.units.values() if not u.group), device)
+        models.fill_units(table, loaded.source, dtype, device)
+        log.info("%s the weights of %d units on %s", loaded.source.verb, sum(1 for u in table.units.values() if u.kind != cat.MLP and not u.group), device)
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     tp = None
     if tensor:

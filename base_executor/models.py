@@ -2,7 +2,7 @@
 
 A *lazy* built-in (`Builtin.lazy`: models too big to build whole, once per rank) is built with its
 unit weights (every parameter of two or more dimensions) on the meta device; each unit's weight is
-drawn later, where it is served and only there (`draw_units`), from a generator seeded by the
+drawn later, where it is served and only there (`fill_units`), from a generator seeded by the
 model's seed and the unit's path, so any rank draws the same values for a unit on its kind of
 device, whatever else it holds. Its fingerprints name the seed and path (`seeded_fingerprints`)."""
 from __future__ import annotations
@@ -137,7 +137,29 @@ class LoadedModel:
     name: str
     model: torch.nn.Module
     tokenizer_files: dict[str, bytes]
-    lazy: bool = False  # its units' weights are on the meta device: draw_units draws those served
+    source: "Seeded | object | None" = None
+    """Where the unit weights left on the meta device come from, made only for the units a rank
+    serves (fill_units): a lazy built-in's Seeded draws, a checkpoint.Checkpoint's tensors; None:
+    the model is whole."""
+
+    @property
+    def lazy(self) -> bool:
+        return self.source is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeded:
+    """A lazy built-in's unit weights, drawn where served (draw)."""
+
+    name: str
+    verb = "drew"
+
+    def weight(self, path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        spec = BUILTINS[self.name]
+        return draw(spec.seed, path, shape, dtype, device, getattr(spec.config(), "initializer_range", 0.02))
+
+    def fingerprints(self, table, device: torch.device) -> None:
+        seeded_fingerprints(table, self.name, device)
 
 
 def build_builtin(name: str, dtype: torch.dtype = torch.float32, units_on_meta: bool = False) -> torch.nn.Module:
@@ -189,13 +211,12 @@ def seeded_fingerprints(table, name: str, device: torch.device) -> None:
             u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{device.type}:{u.id}"
 
 
-def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Draws, on `device`, the weights of a lazy built-in's units still in the table (a rank's own):
-    a group's members into the rows of its one tensor, a tied unit's from its owner."""
+def fill_units(table, source, dtype: torch.dtype, device: torch.device) -> None:
+    """Makes on `device`, from `source` (LoadedModel.source), the weights still on the meta device of
+    the units in the table (a rank's own): a group's members into the rows of its one tensor, a
+    tied unit's from its owner."""
     from symbiont.base_executor import catalog as cat
 
-    spec = BUILTINS[name]
-    std = getattr(spec.config(), "initializer_range", 0.02)
     for u in table.units.values():
         if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
             continue
@@ -203,11 +224,11 @@ def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> No
             w = torch.empty(tuple(u.weight.shape), dtype=dtype, device=device)
             for m in u.members:
                 a, b = m.rows
-                w[a:b] = draw(spec.seed, m.id, (b - a, *u.weight.shape[1:]), dtype, device, std)
+                w[a:b] = source.weight(m.id, (b - a, *u.weight.shape[1:]), dtype, device)
             u.weight = w
             cat._point_members(u)
         else:
-            u.weight = draw(spec.seed, u.id, tuple(u.weight.shape), dtype, device, std)
+            u.weight = source.weight(u.id, tuple(u.weight.shape), dtype, device)
         if u.bias is not None:
             u.bias = u.bias.to(device)
     for u in table.units.values():
@@ -215,12 +236,14 @@ def draw_units(table, name: str, dtype: torch.dtype, device: torch.device) -> No
             u.weight = table.units[u.tied_to].weight
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Loads MODEL as `serve --model` names it; ValueError listing the choices when it is none of them."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, rank_only: bool = False) -> LoadedModel:
+    """Loads MODEL as `serve --model` names it; ValueError listing the choices when it is none of them.
+    rank_only (a rank of a layer-placed executor): a save_pretrained directory of safetensors files
+    is read but for its unit weights, which each rank reads for its own units (base_executor/checkpoint.py)."""
     if spec in BUILTINS:
         builtin = BUILTINS[spec]
         if builtin.gguf_package is None:
-            return LoadedModel(spec, build_builtin(spec, dtype, units_on_meta=builtin.lazy), {}, lazy=builtin.lazy)
+            return LoadedModel(spec, build_builtin(spec, dtype, units_on_meta=builtin.lazy), {}, Seeded(spec) if builtin.lazy else None)
         path = _gguf_path(builtin.gguf_package)
         if path is None:
             raise ValueError(
@@ -232,10 +255,14 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if path.is_dir():
         from transformers import AutoConfig
 
+        from symbiont.base_executor import checkpoint
         from symbiont.proto.automodel import auto_model_class
 
-        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype).eval()
         files = {f: (path / f).read_bytes() for f in TOKENIZER_FILES if (path / f).is_file()}
+        opened = checkpoint.open_rank_only(path, dtype) if rank_only else None
+        if opened is not None:
+            return LoadedModel(path.name, opened[0], files, opened[1])
+        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype).eval()
         return LoadedModel(path.name, model, files)
     if path.suffix == ".gguf" and path.is_file():
         return _load_gguf(path, dtype, name=path.stem)

@@ -17,14 +17,21 @@ SEEDED = "seeded:"
 before its weight is drawn; a tenant cannot check such a unit's values, only its shape and dtype."""
 
 
-def fingerprint(weight: torch.Tensor) -> str:
-    flat = weight.detach().reshape(-1)
-    n = flat.numel()
+def sample_indices(n: int) -> torch.Tensor:
+    """The flat indices of the elements a fingerprint of n elements samples."""
     k = min(n, SAMPLES)
     # integer arithmetic so every torch version picks the same elements
-    idx = (torch.arange(k, dtype=torch.int64) * max(n - 1, 0)) // max(k - 1, 1)
-    sample = flat[idx.to(flat.device)].contiguous().cpu()
+    return (torch.arange(k, dtype=torch.int64) * max(n - 1, 0)) // max(k - 1, 1)
+
+
+def digest(shape: tuple[int, ...], dtype: torch.dtype, sample: torch.Tensor) -> str:
+    """The fingerprint of a tensor of `shape` and `dtype` whose sampled elements are `sample`."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{tuple(weight.shape)}|{str(weight.dtype)}|".encode())
-    h.update(sample.view(torch.uint8).numpy().tobytes())
+    h.update(f"{tuple(shape)}|{str(dtype)}|".encode())
+    h.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def fingerprint(weight: torch.Tensor) -> str:
+    flat = weight.detach().reshape(-1)
+    return digest(tuple(weight.shape), weight.dtype, flat[sample_indices(flat.numel()).to(flat.device)])

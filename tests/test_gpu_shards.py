@@ -69,3 +69,26 @@ def test_a_gpu_rank_killed_mid_call_gives_a_typed_error_not_a_hang():
                 virt(x)
     finally:
         ex.stop()
+
+
+def test_a_checkpoint_read_rank_by_rank_on_two_gpus(tmp_path, dtype="float32"):
+    """A save_pretrained directory served over two GPU ranks, each reading only its units
+    (base_executor/checkpoint.py), whole-MLP units included: a tenant on cuda:0 loaded from the
+    same directory passes the fingerprint check and matches the unsplit model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dt = getattr(torch, dtype)
+    build_builtin("tiny-llama", dt).save_pretrained(tmp_path)
+    with running_executor(str(tmp_path), "--devices", "cuda:0,cuda:1", "--dtype", dtype) as ex:
+        conn = connect(ex.url)
+        assert [u for u in conn.catalog().units if u.kind == "mlp"]
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dt).cuda()
+        virt = virtualize(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dt).cuda(), conn)
+        x = ids(2, 13).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
+        assert ex.log().count("read the weights of") == 2
+        conn.close()

@@ -1,0 +1,84 @@
+"""A save_pretrained directory served by a layer-placed executor: each rank builds the model with
+its unit weights on the meta device, reads everything else, and then only its own units' weights
+(base_executor/checkpoint.py); fingerprints come from sampled elements of the memory-mapped files.
+Exact against the model loaded whole, end to end through two rank processes over gloo."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from symbiont import VirtLayer, connect, virtualize
+from symbiont.base_executor import catalog as cat
+from symbiont.base_executor import checkpoint, models
+from symbiont.base_executor.models import build_builtin
+from tests.conftest import running_executor
+from tests.models import assert_sgd_steps_match, ids, lora_model
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-phi3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_units_read_one_by_one_equal_the_model_loaded_whole(tmp_path, name, dtype):
+    """The same units (whole-MLP units included, probed on a stand-in block), the same
+    fingerprints, and, once read, the same weights and non-unit state; several files too."""
+    build_builtin(name, dtype).save_pretrained(tmp_path, max_shard_size="20KB")  # (several files and an index)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    whole = models.load_model(str(tmp_path), dtype)
+    full = cat.UnitTable(whole.model)
+    loaded = models.load_model(str(tmp_path), dtype, rank_only=True)
+    assert isinstance(loaded.source, checkpoint.Checkpoint)
+    table = cat.UnitTable(loaded.model)
+    loaded.source.fingerprints(table, torch.device("cpu"))
+    assert set(table.units) == set(full.units)
+    assert {u: table.units[u].fingerprint for u in full.units} == {u: v.fingerprint for u, v in full.units.items()}
+    assert all(u.weight is None or u.weight.is_meta for u in table.units.values() if u.kind != "embedding" or u.tied_to)
+    models.fill_units(table, loaded.source, dtype, torch.device("cpu"))
+    for uid, u in full.units.items():
+        if u.weight is not None:
+            assert torch.equal(table.units[uid].weight, u.weight), uid
+    state = {k: v for k, v in loaded.model.state_dict().items() if not table.is_unit_param(k)}
+    expect = {k: v for k, v in whole.model.state_dict().items() if not full.is_unit_param(k)}
+    assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
+
+
+def test_what_it_cannot_read_rank_by_rank_is_loaded_whole(tmp_path):
+    model = build_builtin("tiny-llama")
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # (no safetensors files)
+    assert checkpoint.open_rank_only(tmp_path, torch.float32) is None
+    loaded = models.load_model(str(tmp_path), torch.float32, rank_only=True)
+    assert not loaded.lazy and not any(p.is_meta for p in loaded.model.parameters())
+
+
+def test_a_checkpoint_is_read_rank_by_rank(tmp_path):
+    """Two layer-placed ranks serving a save_pretrained directory: a tenant's model loaded from the
+    same directory passes virtualize's fingerprint check and gives the unsplit model's logits,
+    greedy tokens and LoRA steps; each rank read only its own units."""
+    name = "tiny-llama"
+    build_builtin(name).save_pretrained(tmp_path)
+    with running_executor(str(tmp_path), "--devices", "cpu,cpu") as ex:
+        conn = connect(ex.url)
+        catalog = conn.catalog()
+        assert [u for u in catalog.units if u.kind == "mlp"] and len(catalog.shards) == 2
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path)
+        virt = virtualize(AutoModelForCausalLM.from_pretrained(tmp_path), conn)  # (checks every unit's fingerprint)
+        x = ids(2, 17)
+        with torch.no_grad():
+            assert torch.equal(ref(x).logits, virt(x).logits)
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        prompt = ids(1, 6, seed=3)
+        assert torch.equal(ref.generate(prompt, **kw), virt.generate(prompt, **kw))
+        conn.close()
+        own = connect(ex.url)
+        with torch.no_grad():  # (a tenant with no checkpoint: the skeleton's non-unit weights were read by rank 0)
+            assert torch.equal(ref(x).logits, own.model()(x).logits)
+        own.close()
+        lora_ref, lora_virt = lora_model(name), virtualize(lora_model(name), ex.url)
+        assert_sgd_steps_match(lora_ref, lora_virt, ids(2, 10, seed=5))
+        for m in lora_virt.modules():
+            if isinstance(m, VirtLayer):
+                m.transport.close()
+        read = [int(line.split("read the weights of ")[1].split()[0]) for line in ex.log().splitlines() if "read the weights of" in line]
+        members = {m for u in catalog.units if u.kind != "mlp" for m in u.members}  # (a group's; an MLP unit's are units)
+        total = sum(1 for u in catalog.units if u.kind != "mlp" and u.id not in members)
+        assert len(read) == 2 and sum(read) == total and all(0 < n < total for n in read), (read, total)
