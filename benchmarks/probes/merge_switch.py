@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--paths", default="kernel", help="comma list: how the merged copies are written, timed in turn in "
                    "one run: kernel (one launch of the merge kernel for every adapted row), addmm (one per copy)")
+    p.add_argument("--tiles", default="", help="also time the merge kernel alone on the same rows for each tiling, "
+                   "comma list of BMxBNxBR/WARPS/STAGES (e.g. 32x256x32/4/3,64x256x64/8/3), beside one addmm per row")
     p.add_argument("--out", default="")
     a = p.parse_args()
     from transformers import AutoModelForCausalLM
@@ -86,9 +88,51 @@ def main() -> int:
         print(f"{a.model} rank {a.rank}, {len(weights)} projections, {nbytes / 2**30:.2f} GiB of copies, {path}: merge "
               f"{merge_ms:.2f} ms, unmerge {unmerge_ms:.3f} ms; floor (a copy of as many bytes) {floor_ms:.2f} ms: "
               f"{merge_ms / floor_ms:.2f}x", flush=True)
+    if a.tiles:
+        rows += sweep(registry, adapter, a, device, dtype, nbytes, floor_ms)
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(rows))
     return 0
+
+
+def sweep(registry, adapter, a, device, dtype, nbytes: int, floor_ms: float) -> list[dict]:
+    """The kernel alone (no allocation, no paging, the plan made beforehand) writing every adapted
+    unit's merged copy, per tiling, and one addmm per unit the same way: where the switch's time goes."""
+    from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
+
+    deltas = registry.on_device(adapter, count=False)
+    units = [registry.table.get(uid) for uid in deltas]
+    ws = [u.weight if u.kind == "linear" else u.weight.t() for u in units]
+    outs = [torch.empty_like(w) for w in ws]
+    loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for d in deltas.values()]
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(a.repeat):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    rows = []
+    for spec in a.tiles.split(","):
+        blocks, warps, stages = spec.split("/")
+        bm, bn, br = (int(v) for v in blocks.split("x"))
+        t0 = time.perf_counter()
+        plan = plan_merge(ws, loras, outs=outs, block_m=bm, block_n=bn, block_r=br, num_warps=int(warps), num_stages=int(stages))
+        plan_ms = 1e3 * (time.perf_counter() - t0)
+        rows.append({"path": "kernel alone", "tiling": spec, "plan_ms": plan_ms, "kernel_ms": timed(lambda: merge_lora_(plan))})
+    rows.append({"path": "addmm alone", "kernel_ms": timed(lambda: [torch.addmm(w, b, a_, alpha=s, out=o)
+                                                                   for w, o, (a_, b, s) in zip(ws, outs, loras)])})
+    for r in rows:
+        r.update(floor_ms=floor_ms, over_floor=r["kernel_ms"] / floor_ms, gb_per_s=2 * nbytes / r["kernel_ms"] / 1e6)
+        print(json.dumps(r), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
