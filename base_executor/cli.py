@@ -134,12 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
-    loaded = models.load_model(model_name, dtype, rank_only=shard is not None and not tensor)
+    loaded = models.load_model(model_name, dtype, rank_only=shard is not None)
     table = cat.UnitTable(loaded.model)
-    if loaded.lazy:  # (its units' weights are made below, only this rank's)
-        if tensor:
-            raise SystemExit(f"--model {model_name} (drawn rank by rank) under --placement tensor: each rank would draw it "
-                             "whole before slicing it; serve it with --placement layers")
+    if loaded.lazy:  # (its units' weights are made below, only this rank's, or its slices of them)
         loaded.source.fingerprints(table, device)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
@@ -163,15 +160,18 @@ def _serve(args: argparse.Namespace) -> int:
         for info in catalog.units:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
-    if loaded.lazy:
+    if loaded.lazy and not tensor:
         models.fill_units(table, loaded.source, dtype, device)
         log.info("%s the weights of %d units on %s", loaded.source.verb, sum(1 for u in table.units.values() if u.kind != cat.MLP and not u.group), device)
+    source = loaded.source
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
     tp = None
     if tensor:
         from symbiont.base_executor.tensor_parallel import TensorParallel
 
-        tp = TensorParallel(table, shard.rank, shard.world, device)  # (keeps this rank's slices only)
+        tp = TensorParallel(table, shard.rank, shard.world, device, source, dtype)  # (keeps this rank's slices only)
+        if source is not None:
+            log.info("%s the weights of %d units one at a time on %s, keeping its slices", source.verb, len(tp.rows), device)
         if shard.rank != 0:
             return _follow(shard, tp, children, log)
     else:

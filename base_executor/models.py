@@ -211,24 +211,30 @@ def seeded_fingerprints(table, name: str, device: torch.device) -> None:
             u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{device.type}:{u.id}"
 
 
+def make_weight(unit, source, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The whole weight of a unit whose weight is on the meta device, made on `device` from
+    `source` (LoadedModel.source): a group's members into the rows of its one tensor."""
+    if not unit.members:
+        return source.weight(unit.id, tuple(unit.weight.shape), dtype, device)
+    w = torch.empty(tuple(unit.weight.shape), dtype=dtype, device=device)
+    for m in unit.members:
+        a, b = m.rows
+        w[a:b] = source.weight(m.id, (b - a, *unit.weight.shape[1:]), dtype, device)
+    return w
+
+
 def fill_units(table, source, dtype: torch.dtype, device: torch.device) -> None:
-    """Makes on `device`, from `source` (LoadedModel.source), the weights still on the meta device of
-    the units in the table (a rank's own): a group's members into the rows of its one tensor, a
-    tied unit's from its owner."""
+    """Makes on `device` the weights still on the meta device of the units in the table (a rank's
+    own), from `source`; a group's members become row slices of its one tensor, a tied unit shares
+    its owner's."""
     from symbiont.base_executor import catalog as cat
 
     for u in table.units.values():
         if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
             continue
+        u.weight = make_weight(u, source, dtype, device)
         if u.members:
-            w = torch.empty(tuple(u.weight.shape), dtype=dtype, device=device)
-            for m in u.members:
-                a, b = m.rows
-                w[a:b] = source.weight(m.id, (b - a, *u.weight.shape[1:]), dtype, device)
-            u.weight = w
             cat._point_members(u)
-        else:
-            u.weight = source.weight(u.id, tuple(u.weight.shape), dtype, device)
         if u.bias is not None:
             u.bias = u.bias.to(device)
     for u in table.units.values():

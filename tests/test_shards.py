@@ -227,6 +227,23 @@ def test_a_lazy_builtin_is_drawn_only_where_served(world):
         assert len(drawn) == world and sum(drawn) == total and all(0 < n < total or world == 1 for n in drawn), (drawn, total)
 
 
+def test_a_lazy_builtin_under_tensor_placement():
+    """Each rank draws every unit of a lazy built-in once, one at a time, keeping its slice: the
+    unsplit model's logits (to rounding), greedy tokens and LoRA steps."""
+    name = "tiny-llama-lazy"
+    with running_executor(name, "--devices", "cpu,cpu", "--placement", "tensor") as ex:
+        conn = connect(ex.url)
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), conn)
+        x = ids(2, 17)
+        with torch.no_grad():
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(ids(1, 6, seed=3), **kw), virt.generate(ids(1, 6, seed=3), **kw))
+        conn.close()
+        _lora_steps_match(name, ex.url)
+        assert ex.log().count("one at a time") == 2
+
+
 def test_tensor_placement_with_unfused_members_on_ranks_that_hold_none_of_their_rows():
     """At 4 ranks a member of the q/k/v group has no rows on some ranks: its calls (unfused, each
     member alone) still take every rank's part, forward and backward (LoRA steps as unsplit)."""
