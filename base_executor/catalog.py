@@ -199,7 +199,8 @@ class UnitTable:
                     members=(pair, down), act=act, act_backward=runner.act_backward_of(act, down.weight.dtype))
         unit.fingerprint = f"{pair.fingerprint}+{down.fingerprint}" if pair.fingerprint and down.fingerprint else ""
         if down.weight.is_meta or pair.weight.is_meta:
-            key = (type(module).__name__, repr(act), tuple(pair.weight.shape), tuple(down.weight.shape), down.weight.dtype)
+            key = (type(module).__name__, repr(act), tuple(pair.weight.shape), tuple(down.weight.shape), down.weight.dtype,
+                   pair.bias is not None, down.bias is not None)
             if key not in probes:
                 probes[key] = _probe_stand_in(unit, module, layout)
             if not probes[key]:
@@ -288,20 +289,29 @@ def sibling_sets(units) -> list[list[Unit]]:
 
 def _probe_stand_in(unit: Unit, module: nn.Module, layout: gated_mlp.Layout) -> bool:
     """UnitTable._add_mlp's probe for a block whose weights are on the meta device: a copy of it
-    with random weights, and the MLP unit over those, give bitwise the same forward."""
+    with random weights (gate's and up's rows of one tensor, as the group's), and the MLP unit over
+    those, give bitwise the same forward. It holds the block's weights once, in their dtype."""
     from symbiont.base_executor import runner
 
     pair, down = unit.members
-    stand = copy.deepcopy(module).to_empty(device="cpu")
+    stand = copy.deepcopy(module)  # (meta parameters stay meta, real ones and buffers are copied)
     g = torch.Generator().manual_seed(0)
+    *gate_up, last = (stand.get_submodule(n) for n in layout.linears)
     with torch.no_grad():
-        for name, p in module.named_parameters():  # (a real parameter, a bias, keeps its values)
-            target = stand.get_parameter(name)
-            target.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.is_meta else p)
-        *gate_up, last = (stand.get_submodule(n) for n in layout.linears)
+        pair_weight = torch.empty(tuple(pair.weight.shape), dtype=pair.weight.dtype).normal_(0.0, 0.02, generator=g)
+        start = 0
+        for mod in gate_up:
+            n = mod.weight.shape[0]
+            mod.weight = nn.Parameter(pair_weight[start:start + n], requires_grad=False)
+            start += n
+        for mod in stand.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                if p.is_meta:
+                    mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, 0.02, generator=g),
+                                                         requires_grad=False)
         members = tuple(dataclasses.replace(m, weight=mod.weight, bias=mod.bias) for m, mod in zip(pair.members, gate_up))
         probe = dataclasses.replace(unit, members=(
-            dataclasses.replace(pair, weight=torch.cat([m.weight for m in gate_up]), members=members),
+            dataclasses.replace(pair, weight=pair_weight, members=members),
             dataclasses.replace(down, weight=last.weight, bias=last.bias)))
         x = torch.randn(3, unit.in_features, generator=g).to(last.weight.dtype)
         return torch.equal(runner.run(probe, pb.FORWARD, x, exact=True), stand(x))

@@ -2,8 +2,8 @@
 built with its unit weights on the meta device, everything else (norms, biases, buffers) is read
 from the checkpoint, and each rank then reads only the weights of the units it serves
 (models.fill_units), so no process ever holds the whole model. The fingerprints of every unit are
-computed from the elements they sample, read from the memory-mapped files (proto/fingerprint.py):
-the same as the whole model's, at a few pages per unit.
+computed from the elements they sample, read from the memory-mapped files with read-ahead off
+(proto/fingerprint.py): the same as the whole model's, at one page per sampled element.
 
 `open_rank_only` says None where the directory is not such a checkpoint (no safetensors files, or
 names, dtypes or weights this reading does not cover); the executor then loads the model whole."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import pathlib
 import struct
 
@@ -21,6 +22,8 @@ from symbiont.proto import meta
 from symbiont.proto.fingerprint import digest, sample_indices
 
 log = logging.getLogger("base_executor")
+
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one (a Git LFS pointer, a truncated file)
 
 _NUMPY = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
           "F64": (np.float64, torch.float64)}
@@ -35,13 +38,21 @@ class Checkpoint:
         self._where: dict[str, tuple[pathlib.Path, dict, int]] = {}  # key -> (file, its header entry, data start)
         for name in files:
             f = path / name
+            size = f.stat().st_size
             with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
+                (n,) = struct.unpack("<Q", fh.read(8)) if size >= 8 else (size,)
+                if not 0 < n <= min(MAX_HEADER, size - 8):
+                    raise ValueError(f"{f}: not a safetensors file (header of {n} bytes in {size})")
                 header = json.loads(fh.read(n))
             header.pop("__metadata__", None)
             for key, entry in header.items():
+                a, b = entry["data_offsets"]
+                numel = int(np.prod(entry["shape"])) if entry["shape"] else 1
+                width = np.dtype(_NUMPY[entry["dtype"]][0]).itemsize if entry["dtype"] in _NUMPY else None
+                if not 0 <= a <= b <= size - 8 - n or (width is not None and b - a != numel * width):
+                    raise ValueError(f"{f}: tensor {key} lies outside the file or disagrees with its shape")
                 self._where[key] = (f, entry, 8 + n)
-        self._maps: dict[pathlib.Path, np.memmap] = {}
+        self._maps: dict[pathlib.Path, mmap.mmap] = {}
 
     @staticmethod
     def found(path: pathlib.Path) -> bool:
@@ -61,11 +72,13 @@ class Checkpoint:
         f, entry, start = self._where[key]
         np_dtype, torch_dtype = _NUMPY[entry["dtype"]]
         a, b = entry["data_offsets"]
+        raw = bytearray(b - a)  # (read into: one copy in host memory, converted on the device)
         with open(f, "rb") as fh:
             fh.seek(start + a)
-            raw = bytearray(fh.read(b - a))
+            if fh.readinto(raw) != b - a:
+                raise ValueError(f"{f}: tensor {key} is cut short")
         t = torch.frombuffer(raw, dtype=torch_dtype) if raw else torch.empty(0, dtype=torch_dtype)
-        return t.view(entry["shape"]).to(device=device, dtype=dtype)
+        return t.view(entry["shape"]).to(device=device).to(dtype=dtype)
 
     def sample(self, key: str, flat: np.ndarray) -> torch.Tensor:
         """The elements at flat indices `flat` of a tensor, in its stored dtype: only their pages read."""
@@ -73,7 +86,10 @@ class Checkpoint:
         np_dtype, torch_dtype = _NUMPY[entry["dtype"]]
         mm = self._maps.get(f)
         if mm is None:
-            mm = self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
+            with open(f, "rb") as fh:
+                mm = self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mmap, "MADV_RANDOM"):  # (else the kernel reads ahead ~128 KiB around each sampled element)
+                mm.madvise(mmap.MADV_RANDOM)
         a, b = entry["data_offsets"]
         values = np.frombuffer(mm, dtype=np_dtype, count=(b - a) // np.dtype(np_dtype).itemsize, offset=start + a)
         return torch.from_numpy(values[flat].copy()).view(torch_dtype)
@@ -124,15 +140,26 @@ def open_rank_only(path: pathlib.Path, dtype: torch.dtype):
 
     if not Checkpoint.found(path):
         return None
-    ckpt = Checkpoint(path)
+    try:
+        ckpt = Checkpoint(path)
+    except (OSError, ValueError, KeyError) as e:
+        log.info("reading %s whole on every rank (%s)", path, e)
+        return None
     config = AutoConfig.from_pretrained(path)
     with meta.parameters_on_meta(meta.matrices):
         model = auto_model_class(config).from_config(config, dtype=dtype).eval()
     why = None
+    if getattr(config, "quantization_config", None) or model._keep_in_fp32_modules or getattr(model, "_keep_in_fp32_modules_strict", None):
+        why = "quantized, or parameters transformers keeps in float32"
     units = {id(m.weight) for _, m in model.named_modules() if cat.unit_kind(m) is not None}
     seen = set()
+    persistent = model.state_dict().keys()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:  # (a tied parameter: read under its first name)
+        if why:
+            break
+        if id(p) in seen:  # (a tied parameter: read under its first name; transformers unties it if both are saved)
+            if name in ckpt:
+                why = f"{name} is tied in the model and saved on its own"
             continue
         seen.add(id(p))
         module = model.get_submodule(name.rpartition(".")[0])
@@ -144,15 +171,20 @@ def open_rank_only(path: pathlib.Path, dtype: torch.dtype):
             why = f"{name}: shape {ckpt.shape(name)} in the checkpoint, {tuple(p.shape)} in the model"
         elif p.is_meta and id(p) not in units:
             why = f"{name}: a weight of two or more dimensions that is not a unit's"
+    for name, b in model.named_buffers():
         if why:
-            log.info("reading %s whole on every rank (%s)", path, why)
-            return None
+            break
+        if name in ckpt and name in persistent and (not ckpt.readable(name) or ckpt.shape(name) != tuple(b.shape)):
+            why = f"buffer {name}: not readable, or shape {ckpt.shape(name)} in the checkpoint, {tuple(b.shape)} in the model"
+    if why:
+        log.info("reading %s whole on every rank (%s)", path, why)
+        return None
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.is_meta:
                 p.copy_(ckpt.tensor(name, p.dtype))
         for name, b in model.named_buffers():
-            if name in ckpt:
+            if name in ckpt and name in persistent:  # (transformers ignores a saved non-persistent buffer)
                 b.copy_(ckpt.tensor(name, b.dtype))
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

@@ -161,7 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
     if loaded.lazy and not tensor:
-        models.fill_units(table, loaded.source, dtype, device)
+        models.fill_units(table, loaded.source, device)
         log.info("%s the weights of %d units on %s", loaded.source.verb, sum(1 for u in table.units.values() if u.kind != cat.MLP and not u.group), device)
     source = loaded.source
     del loaded  # only the unit weights (in the table) and the skeleton bytes stay
@@ -169,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
     if tensor:
         from symbiont.base_executor.tensor_parallel import TensorParallel
 
-        tp = TensorParallel(table, shard.rank, shard.world, device, source, dtype)  # (keeps this rank's slices only)
+        tp = TensorParallel(table, shard.rank, shard.world, device, source)  # (keeps this rank's slices only)
         if source is not None:
             log.info("%s the weights of %d units one at a time on %s, keeping its slices", source.verb, len(tp.rows), device)
         if shard.rank != 0:

@@ -211,9 +211,10 @@ def seeded_fingerprints(table, name: str, device: torch.device) -> None:
             u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{device.type}:{u.id}"
 
 
-def make_weight(unit, source, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The whole weight of a unit whose weight is on the meta device, made on `device` from
-    `source` (LoadedModel.source): a group's members into the rows of its one tensor."""
+def make_weight(unit, source, device: torch.device) -> torch.Tensor:
+    """The whole weight of a unit whose weight is on the meta device, made on `device` in its dtype
+    from `source` (LoadedModel.source): a group's members into the rows of its one tensor."""
+    dtype = unit.weight.dtype
     if not unit.members:
         return source.weight(unit.id, tuple(unit.weight.shape), dtype, device)
     w = torch.empty(tuple(unit.weight.shape), dtype=dtype, device=device)
@@ -223,7 +224,7 @@ def make_weight(unit, source, dtype: torch.dtype, device: torch.device) -> torch
     return w
 
 
-def fill_units(table, source, dtype: torch.dtype, device: torch.device) -> None:
+def fill_units(table, source, device: torch.device) -> None:
     """Makes on `device` the weights still on the meta device of the units in the table (a rank's
     own), from `source`; a group's members become row slices of its one tensor, a tied unit shares
     its owner's."""
@@ -232,11 +233,11 @@ def fill_units(table, source, dtype: torch.dtype, device: torch.device) -> None:
     for u in table.units.values():
         if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
             continue
-        u.weight = make_weight(u, source, dtype, device)
-        if u.members:
-            cat._point_members(u)
+        u.weight = make_weight(u, source, device)
         if u.bias is not None:
             u.bias = u.bias.to(device)
+        if u.members:
+            cat._point_members(u)
     for u in table.units.values():
         if u.tied_to and u.tied_to in table.units:
             u.weight = table.units[u.tied_to].weight

@@ -69,14 +69,13 @@ class TensorParallel:
     """One rank's slices of every unit and the collectives of one call (rank 0 leads, the others
     follow). Every rank must build it from the same table, in the same order."""
 
-    def __init__(self, table: UnitTable, rank: int, world: int, device: torch.device, source=None,
-                 dtype: torch.dtype | None = None):
-        """source (LoadedModel.source, with the dtype to make weights in): where the weights still on
-        the meta device come from; each is made whole, one unit at a time, and only its slice kept."""
+    def __init__(self, table: UnitTable, rank: int, world: int, device: torch.device, source=None):
+        """source (LoadedModel.source): where the weights still on the meta device come from; each
+        is made whole, one unit at a time, and only its slice kept."""
         import torch.distributed as dist
 
         self.dist, self.rank, self.world, self.device = dist, rank, world, device
-        self.source, self.dtype = source, dtype
+        self.source = source
         self.broken = ""  # why the ranks fell out of step (a call failed between its collectives)
         self.units = list(table.units.values())  # (the index a header names)
         self.index = {u.id: i for i, u in enumerate(self.units)}
@@ -137,7 +136,7 @@ class TensorParallel:
         if full.is_meta:  # (a rank-read checkpoint or a lazy built-in: the unit made whole here, then dropped)
             from symbiont.base_executor.models import make_weight
 
-            full = make_weight(owner, self.source, self.dtype, self.device)
+            full = make_weight(owner, self.source, self.device)
         mlp = self.paired.get(owner.id)
         if mlp is not None and owner is mlp.members[1]:  # down, row-parallel: its input columns
             (a, b), = ranges

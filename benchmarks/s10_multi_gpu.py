@@ -46,6 +46,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--checkpointing", action="store_true", help="every job (process, FSDP rank, tenant) with "
                    "gradient checkpointing: activations of one layer at a time, so more tenants fit")
+    p.add_argument("--fsdp-batches", default="", help="FSDP rows at each of these batch sizes per rank (comma list; "
+                   "default --batch): the baseline at its best batch")
     p.add_argument("--fsdp-jobs", default="1", help="FSDP baseline rows: jobs run at once, comma list ('' for none)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
@@ -58,8 +60,8 @@ def main() -> int:
         time.sleep(1.0)
     idle = idle.peaks[: a.gpus]
 
-    def common(i: int, device: str = "") -> list[str]:
-        return ["--role", "finetune", "--model", a.model, "--device", device or devices[i % a.gpus], "--batch", str(a.batch),
+    def common(i: int, device: str = "", batch: int = 0) -> list[str]:
+        return ["--role", "finetune", "--model", a.model, "--device", device or devices[i % a.gpus], "--batch", str(batch or a.batch),
                 "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)] + (["--checkpointing"] if a.checkpointing else [])
 
     def row(k: int, who: str, res, peaks, **more) -> dict:
@@ -80,19 +82,20 @@ def main() -> int:
             res, _, peaks = fleet.run_fleet([["--mode", "plain", *common(i)] for i in range(k)], a.seconds, per_gpu=True)
             rows.append(row(k, "processes", res, peaks))
             save()
-    for j in [int(v) for v in a.fsdp_jobs.split(",") if v]:
+    for j, batch in [(int(v), int(b)) for v in a.fsdp_jobs.split(",") if v for b in (a.fsdp_batches or str(a.batch)).split(",")]:
         ports = [fleet.free_port() for _ in range(j)]  # (one rendezvous per job, its ranks one per GPU)
-        workers = [["--mode", "fsdp", *common(job, devices[r]), "--fsdp-rank", str(r),
+        workers = [["--mode", "fsdp", *common(job, devices[r], batch), "--fsdp-rank", str(r),
                     "--fsdp-world", str(a.gpus), "--fsdp-port", str(ports[job])]
                    for job in range(j) for r in range(a.gpus)]
+        who = f"fsdp x{a.gpus}" + (f" batch {batch}" if batch != a.batch else "")
         try:
             res, _, peaks = fleet.run_fleet(workers, a.seconds, per_gpu=True)
         except RuntimeError as e:
-            rows.append({"k": j, "who": f"fsdp x{a.gpus}", "failed": str(e)})
+            rows.append({"k": j, "who": who, "failed": str(e)})
             print(json.dumps(rows[-1]), flush=True)
             save()
             continue
-        rows.append(row(j, f"fsdp x{a.gpus}", res, peaks))
+        rows.append(row(j, who, res, peaks))
         save()
     variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="opportunistic", serve_args=a.serve_args))
     for name, flags in variants:

@@ -17,11 +17,12 @@ from tests.models import assert_sgd_steps_match, ids, lora_model
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-phi3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_units_read_one_by_one_equal_the_model_loaded_whole(tmp_path, name, dtype):
+@pytest.mark.parametrize("saved,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (torch.bfloat16, torch.float32)])
+def test_units_read_one_by_one_equal_the_model_loaded_whole(tmp_path, name, saved, dtype):
     """The same units (whole-MLP units included, probed on a stand-in block), the same
     fingerprints, and, once read, the same weights and non-unit state; several files too."""
-    build_builtin(name, dtype).save_pretrained(tmp_path, max_shard_size="20KB")  # (several files and an index)
+    build_builtin(name, saved).save_pretrained(tmp_path, max_shard_size="20KB")  # (several files and an index)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     whole = models.load_model(str(tmp_path), dtype)
     full = cat.UnitTable(whole.model)
@@ -32,7 +33,7 @@ def test_units_read_one_by_one_equal_the_model_loaded_whole(tmp_path, name, dtyp
     assert set(table.units) == set(full.units)
     assert {u: table.units[u].fingerprint for u in full.units} == {u: v.fingerprint for u, v in full.units.items()}
     assert all(u.weight is None or u.weight.is_meta for u in table.units.values() if u.kind != "embedding" or u.tied_to)
-    models.fill_units(table, loaded.source, dtype, torch.device("cpu"))
+    models.fill_units(table, loaded.source, torch.device("cpu"))
     for uid, u in full.units.items():
         if u.weight is not None:
             assert torch.equal(table.units[uid].weight, u.weight), uid
@@ -41,13 +42,35 @@ def test_units_read_one_by_one_equal_the_model_loaded_whole(tmp_path, name, dtyp
     assert state.keys() == expect.keys() and all(torch.equal(state[k], expect[k]) for k in expect)
 
 
-def test_what_it_cannot_read_rank_by_rank_is_loaded_whole(tmp_path):
+def _no_safetensors(path):
     model = build_builtin("tiny-llama")
-    model.config.save_pretrained(tmp_path)
-    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # (no safetensors files)
+    model.config.save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+
+
+def _untied_lm_head(path):
+    """A tied model (GPT-2) saved with an lm_head of its own: transformers unties them."""
+    from safetensors.torch import load_file, save_file
+
+    build_builtin("tiny-gpt2").save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _pointer_file(path):
+    """A Git LFS pointer where the weights should be."""
+    build_builtin("tiny-llama").config.save_pretrained(path)
+    (path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 12\n")
+
+
+@pytest.mark.parametrize("make", [_no_safetensors, _untied_lm_head, _pointer_file])
+def test_what_it_cannot_read_rank_by_rank_is_not_read_so(tmp_path, make):
+    make(tmp_path)
     assert checkpoint.open_rank_only(tmp_path, torch.float32) is None
-    loaded = models.load_model(str(tmp_path), torch.float32, rank_only=True)
-    assert not loaded.lazy and not any(p.is_meta for p in loaded.model.parameters())
+    if make is not _pointer_file:  # (which transformers cannot load either)
+        loaded = models.load_model(str(tmp_path), torch.float32, rank_only=True)
+        assert not loaded.lazy and not any(p.is_meta for p in loaded.model.parameters())
 
 
 @pytest.mark.parametrize("placement", ["layers", "tensor"])
