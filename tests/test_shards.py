@@ -143,6 +143,54 @@ def test_any_rank_address_serves_the_whole_model_and_grpc_tenants_get_grpc_ranks
                     assert torch.equal(virt(x).logits, want)
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_ranks_started_by_torchrun(tmp_path, nodes):
+    """`torchrun ... -m symbiont.base_executor.cli serve --devices ...` (docs/sharding.md): two CPU
+    ranks from one torchrun agent, or from two agents as two hosts would start them (here on one
+    machine, static rendezvous), serving gRPC tenants at parity; torchrun's SIGTERM stops them."""
+    import subprocess
+    import sys
+
+    from symbiont import wait_for_executor
+    from tests.conftest import REPO
+
+    port, master, per = free_port(), free_port(), 2 // nodes
+    url = f"grpc://127.0.0.1:{port}"
+    agents = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(per),
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master),
+               "-m", "symbiont.base_executor.cli", "serve", "--model", "tiny-llama", "--devices", ",".join(["cpu"] * per),
+               "--listen", url, "--insecure"]
+        log = open(tmp_path / f"node{node}.log", "wb")
+        agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True))
+    logs = lambda: "\n".join((tmp_path / f"node{n}.log").read_text(errors="replace") for n in range(nodes))  # noqa: E731
+    try:
+        try:
+            wait_for_executor(url, 180, agents[0])
+        except Exception as e:
+            raise AssertionError(f"{e}\n{logs()}") from None
+        with connect(url) as conn:
+            assert len(conn.catalog().shards) == 2 and {u.rank for u in conn.catalog().units} == {0, 1}
+            ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), conn)
+            x = ids(2, 17)
+            with torch.no_grad():
+                assert torch.equal(ref(x).logits, virt(x).logits)
+            kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert torch.equal(ref.generate(ids(1, 6, seed=3), **kw), virt.generate(ids(1, 6, seed=3), **kw))
+        _lora_steps_match("tiny-llama", url)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)  # (torchrun passes it to its workers)
+        for a in agents:
+            try:
+                a.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait(10)
+
+
 @pytest.mark.parametrize("placement", ["layers", "tensor"])
 def test_a_rank_killed_mid_call_gives_every_tenant_a_typed_error_not_a_hang(placement):
     ex = Executor("tiny-llama", "--devices", "cpu,cpu", "--placement", placement)
