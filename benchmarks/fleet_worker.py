@@ -205,9 +205,13 @@ def main() -> int:
                    "more jobs at the cost of a second forward")
     p.add_argument("--mps-priority", default="", help="this process's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below "
                    "normal: its kernels' blocks go after other clients')")
+    p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
+                   "the GPU's SMs its kernels may use)")
     a = p.parse_args()
     if a.mps_priority:  # (read when CUDA starts in this process, which is below)
         os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
+    if a.mps_threads:
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
 
     model, conn = build(a)
     targets = a.targets.split(",")

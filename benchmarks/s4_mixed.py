@@ -28,6 +28,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--train-mps-priority", default="", help="comma list: the mixed fleet once per value, its fine-tuning "
                    "tenants' CUDA_MPS_CLIENT_PRIORITY (1: below normal; '' the default)")
+    p.add_argument("--train-mps-threads", default="", help="comma list: the mixed fleet once per value (and per "
+                   "--train-mps-priority), its fine-tuning tenants' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE ('' the default)")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -43,10 +45,12 @@ def main() -> int:
         try:
             fleets = [(f"{total} inference", [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(total)])]
             for priority in a.train_mps_priority.split(","):
-                fleets.append((f"{a.inference} inference + {a.finetune} fine-tuning" + (f" (MPS {priority})" if priority else ""),
-                               [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
-                               + [["--mode", "symbiont", "--url", url, "--index", str(i), *train, "--mps-priority", priority]
-                                  for i in range(a.finetune)]))
+                for threads in a.train_mps_threads.split(","):
+                    label = ", ".join(x for x in (f"MPS {priority}" if priority else "", f"SMs {threads}%" if threads else "") if x)
+                    fleets.append((f"{a.inference} inference + {a.finetune} fine-tuning" + (f" ({label})" if label else ""),
+                                   [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
+                                   + [["--mode", "symbiont", "--url", url, "--index", str(i), *train, "--mps-priority", priority,
+                                       "--mps-threads", threads] for i in range(a.finetune)]))
             for name, fleet_args in fleets:
                 before = fleet.executor_stats(url)
                 res, base, peak = fleet.run_fleet(fleet_args, a.seconds)
