@@ -67,18 +67,25 @@ class Checkpoint:
     def readable(self, key: str) -> bool:
         return key in self._where and self._where[key][1]["dtype"] in _NUMPY
 
-    def tensor(self, key: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The whole tensor, in `dtype` on `device` (one copy of it in host memory on the way)."""
+    def tensor(self, key: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or its rows [a, b), in `dtype` on `device` (one copy of what is read in host
+        memory on the way)."""
         f, entry, start = self._where[key]
         np_dtype, torch_dtype = _NUMPY[entry["dtype"]]
+        shape = list(entry["shape"])
         a, b = entry["data_offsets"]
+        if rows is not None and shape:  # (rows are contiguous: only theirs read)
+            row_bytes = (b - a) // shape[0] if shape[0] else 0
+            a, b = a + rows[0] * row_bytes, a + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
         raw = bytearray(b - a)  # (read into: one copy in host memory, converted on the device)
         with open(f, "rb") as fh:
             fh.seek(start + a)
             if fh.readinto(raw) != b - a:
                 raise ValueError(f"{f}: tensor {key} is cut short")
         t = torch.frombuffer(raw, dtype=torch_dtype) if raw else torch.empty(0, dtype=torch_dtype)
-        return t.view(entry["shape"]).to(device=device).to(dtype=dtype)
+        return t.view(shape).to(device=device).to(dtype=dtype)
 
     def sample(self, key: str, flat: np.ndarray) -> torch.Tensor:
         """The elements at flat indices `flat` of a tensor, in its stored dtype: only their pages read."""
@@ -98,11 +105,14 @@ class Checkpoint:
 
     verb = "read"
 
-    def weight(self, path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def part(self, path: str, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """Rows and columns of the unit's weight: only those rows read (all their columns, then kept)."""
         key = f"{path}.weight"
         if self.shape(key) != tuple(shape):
             raise ValueError(f"checkpoint tensor {key}: shape {self.shape(key)}, the model's unit {tuple(shape)}")
-        return self.tensor(key, dtype, device)
+        t = self.tensor(key, dtype, device, rows)
+        return t if cols == (0, shape[1]) else t[:, cols[0]:cols[1]].contiguous()
 
     def fingerprints(self, table, device: torch.device) -> None:
         """Every unit's fingerprint, as the whole model's table would have it, from sampled elements."""

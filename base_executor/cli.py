@@ -171,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         tp = TensorParallel(table, shard.rank, shard.world, device, source)  # (keeps this rank's slices only)
         if source is not None:
-            log.info("%s the weights of %d units one at a time on %s, keeping its slices", source.verb, len(tp.rows), device)
+            log.info("%s this rank's slices of %d units on %s", source.verb, len(tp.rows), device)
         if shard.rank != 0:
             return _follow(shard, tp, children, log)
     else:

@@ -154,9 +154,12 @@ class Seeded:
     name: str
     verb = "drew"
 
-    def weight(self, path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def part(self, path: str, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """Rows and columns of the unit's weight: drawn whole (the draw is the unit's), the rest dropped."""
         spec = BUILTINS[self.name]
-        return draw(spec.seed, path, shape, dtype, device, getattr(spec.config(), "initializer_range", 0.02))
+        w = draw(spec.seed, path, shape, dtype, device, getattr(spec.config(), "initializer_range", 0.02))
+        return w if (rows, cols) == ((0, shape[0]), (0, shape[1])) else w[rows[0]:rows[1], cols[0]:cols[1]].contiguous()
 
     def fingerprints(self, table, device: torch.device) -> None:
         seeded_fingerprints(table, self.name, device)
@@ -211,17 +214,24 @@ def seeded_fingerprints(table, name: str, device: torch.device) -> None:
             u.fingerprint = f"{SEEDED}{name}:{spec.seed}:{device.type}:{u.id}"
 
 
-def make_weight(unit, source, device: torch.device) -> torch.Tensor:
-    """The whole weight of a unit whose weight is on the meta device, made on `device` in its dtype
-    from `source` (LoadedModel.source): a group's members into the rows of its one tensor."""
-    dtype = unit.weight.dtype
+def make_part(unit, source, device: torch.device, rows: tuple[int, int] | None = None,
+              cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """Rows [a, b) and columns [c, d) (default: all) of the weight of a unit whose weight is on the
+    meta device, made on `device` in its dtype from `source` (LoadedModel.source); a group's rows
+    are its members' (a tensor parallel rank makes only its slice: TensorParallel._slice)."""
+    shape, dtype = tuple(unit.weight.shape), unit.weight.dtype
+    r0, r1 = rows or (0, shape[0])
+    cols = cols or (0, shape[1])
     if not unit.members:
-        return source.weight(unit.id, tuple(unit.weight.shape), dtype, device)
-    w = torch.empty(tuple(unit.weight.shape), dtype=dtype, device=device)
+        return source.part(unit.id, shape, (r0, r1), cols, dtype, device)
+    pieces = []
     for m in unit.members:
         a, b = m.rows
-        w[a:b] = source.weight(m.id, (b - a, *unit.weight.shape[1:]), dtype, device)
-    return w
+        if max(a, r0) < min(b, r1):
+            pieces.append(source.part(m.id, (b - a, *shape[1:]), (max(a, r0) - a, min(b, r1) - a), cols, dtype, device))
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty((0, cols[1] - cols[0]), dtype=dtype, device=device)
 
 
 def fill_units(table, source, device: torch.device) -> None:
@@ -233,7 +243,7 @@ def fill_units(table, source, device: torch.device) -> None:
     for u in table.units.values():
         if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
             continue
-        u.weight = make_weight(u, source, device)
+        u.weight = make_part(u, source, device)
         if u.bias is not None:
             u.bias = u.bias.to(device)
         if u.members:

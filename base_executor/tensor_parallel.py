@@ -132,17 +132,16 @@ class TensorParallel:
         return [rows_of(self._n_rows(owner), self.world, rank)]
 
     def _slice(self, owner: Unit, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        full = owner.weight
-        if full.is_meta:  # (a rank-read checkpoint or a lazy built-in: the unit made whole here, then dropped)
-            from symbiont.base_executor.models import make_weight
-
-            full = make_weight(owner, self.source, self.device)
         mlp = self.paired.get(owner.id)
-        if mlp is not None and owner is mlp.members[1]:  # down, row-parallel: its input columns
-            (a, b), = ranges
-            return full[:, a:b].contiguous().to(self.device)
-        pieces = [full[:, a:b] if owner.kind == CONV1D else full[a:b] for a, b in ranges]
-        return torch.cat(pieces, dim=1 if owner.kind == CONV1D else 0).contiguous().to(self.device)
+        by_cols = owner.kind == CONV1D or (mlp is not None and owner is mlp.members[1])  # (a row-parallel down: its input columns)
+        if owner.weight.is_meta:  # (a rank-read checkpoint or a lazy built-in: only this rank's part made)
+            from symbiont.base_executor.models import make_part
+
+            pieces = [make_part(owner, self.source, self.device, cols=r) if by_cols else make_part(owner, self.source, self.device, rows=r)
+                      for r in ranges]
+        else:
+            pieces = [owner.weight[:, a:b] if by_cols else owner.weight[a:b] for a, b in ranges]
+        return torch.cat(pieces, dim=1 if by_cols else 0).contiguous().to(self.device)
 
     def _part(self, u: Unit, groups: dict[str, Unit], mine: dict[str, torch.Tensor]) -> _Part:
         """u on this rank: the view of its owner's slice that is u's, and every rank's ranges of u's columns."""

@@ -77,8 +77,8 @@ def test_what_it_cannot_read_rank_by_rank_is_not_read_so(tmp_path, make):
 def test_a_checkpoint_is_read_rank_by_rank(tmp_path, placement):
     """Two ranks serving a save_pretrained directory: a tenant's model loaded from the same
     directory passes virtualize's fingerprint check and gives the unsplit model's logits, greedy
-    tokens and LoRA steps. Layers: each rank read only its own units. Tensor: each rank made every
-    unit once, one at a time, and kept its slice."""
+    tokens and LoRA steps. Layers: each rank read only its own units. Tensor: each rank read only
+    its slices' rows."""
     name = "tiny-llama"
     build_builtin(name).save_pretrained(tmp_path)
     with running_executor(str(tmp_path), "--devices", "cpu,cpu", "--placement", placement) as ex:
@@ -108,9 +108,31 @@ def test_a_checkpoint_is_read_rank_by_rank(tmp_path, placement):
             if isinstance(m, VirtLayer):
                 m.transport.close()
         if placement == "tensor":
-            assert ex.log().count("one at a time") == 2
+            assert ex.log().count("this rank's slices of") == 2
             return
         read = [int(line.split("read the weights of ")[1].split()[0]) for line in ex.log().splitlines() if "read the weights of" in line]
         members = {m for u in catalog.units if u.kind != "mlp" for m in u.members}  # (a group's; an MLP unit's are units)
         total = sum(1 for u in catalog.units if u.kind != "mlp" and u.id not in members)
         assert len(read) == 2 and sum(read) == total and all(0 < n < total for n in read), (read, total)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-phi3"])
+def test_a_tensor_parallel_rank_reads_its_slices_equal_to_the_whole_models(tmp_path, name):
+    """Every rank of 3 under tensor placement, its slices made from the checkpoint (rows read;
+    a Conv1D's or a row-parallel down's columns kept from rows read whole) equal to those cut from
+    the model loaded whole."""
+    from symbiont.base_executor.tensor_parallel import TensorParallel
+
+    build_builtin(name).save_pretrained(tmp_path)
+    for rank in range(3):
+        whole = TensorParallel(cat.UnitTable(models.load_model(str(tmp_path)).model), rank, 3, torch.device("cpu"))
+        loaded = models.load_model(str(tmp_path), rank_only=True)
+        parts = TensorParallel(cat.UnitTable(loaded.model), rank, 3, torch.device("cpu"), loaded.source)
+        assert whole.parts.keys() == parts.parts.keys()
+        for uid, want in whole.parts.items():
+            got = parts.parts[uid]
+            if want.mlp is not None:
+                for w, g in zip(want.mlp.members, got.mlp.members):
+                    assert torch.equal(g.weight, w.weight), (uid, rank)
+            else:
+                assert torch.equal(got.weight, want.weight) and got.ranges == want.ranges, (uid, rank)
