@@ -137,6 +137,9 @@ class Checkpoint:
                 u.fingerprint = table.units[u.tied_to].fingerprint
             elif u.kind == cat.MLP and not u.fingerprint:
                 u.fingerprint = "+".join(m.fingerprint for m in u.members)
+        for mm in self._maps.values():  # (sampling is done: the maps go)
+            mm.close()
+        self._maps.clear()
 
 
 def open_rank_only(path: pathlib.Path, dtype: torch.dtype):
