@@ -255,8 +255,9 @@ def fill_units(table, source, device: torch.device) -> None:
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, rank_only: bool = False) -> LoadedModel:
     """Loads MODEL as `serve --model` names it; ValueError listing the choices when it is none of them.
-    rank_only (a rank of a layer-placed executor): a save_pretrained directory of safetensors files
-    is read but for its unit weights, which each rank reads for its own units (base_executor/checkpoint.py)."""
+    rank_only (a rank of a sharded executor): a save_pretrained directory of safetensors files is
+    read but for its unit weights, of which each rank reads its own units or slices later
+    (base_executor/checkpoint.py)."""
     if spec in BUILTINS:
         builtin = BUILTINS[spec]
         if builtin.gguf_package is None:

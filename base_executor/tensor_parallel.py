@@ -70,8 +70,8 @@ class TensorParallel:
     follow). Every rank must build it from the same table, in the same order."""
 
     def __init__(self, table: UnitTable, rank: int, world: int, device: torch.device, source=None):
-        """source (LoadedModel.source): where the weights still on the meta device come from; each
-        is made whole, one unit at a time, and only its slice kept."""
+        """source (LoadedModel.source): where the weights still on the meta device come from; only
+        this rank's slice of each is made (models.make_part)."""
         import torch.distributed as dist
 
         self.dist, self.rank, self.world, self.device = dist, rank, world, device
