@@ -136,8 +136,9 @@ def _serve(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     loaded = models.load_model(model_name, dtype, rank_only=shard is not None)
     table = cat.UnitTable(loaded.model)
-    if loaded.lazy:  # (its units' weights are made below, only this rank's, or its slices of them)
-        loaded.source.fingerprints(table, device)
+    layers = shard is not None and not tensor
+    if loaded.lazy and not layers and (shard is None or shard.rank == 0):  # (under tensor placement only rank 0 serves)
+        loaded.source.fingerprints(table, device)  # (under layer placement each rank its own units', below)
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
     catalog = pb.CatalogReply(
         model=loaded.name,
@@ -155,11 +156,14 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.no_gpu_waits and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
             log.warning("CUDA_MODULE_LOADING=%s: a kernel's first launch may wait for a tenant's stalled input copy, "
                         "stalling every tenant (unset it, or serve with --no-gpu-waits)", os.environ.get("CUDA_MODULE_LOADING"))
-    if shard is not None and not tensor:  # every rank computes the same placement, keeps its own units
+    if layers:  # every rank computes the same placement, keeps its own units
         rank_of = shards.place_layers(table, shard.world)
         for info in catalog.units:
             info.rank = rank_of[info.id]
         table.keep(u for u, r in rank_of.items() if r == shard.rank)
+        if loaded.lazy:  # its own units' fingerprints (a checkpoint's: their sampled pages only), then every rank's
+            loaded.source.fingerprints(table, device)
+            shards.exchange_fingerprints(catalog, {u.id: u.fingerprint for u in table.units.values()})
     if loaded.lazy and not tensor:
         models.fill_units(table, loaded.source, device)
         log.info("%s the weights of %d units on %s", loaded.source.verb, sum(1 for u in table.units.values() if u.kind != cat.MLP and not u.group), device)

@@ -194,6 +194,29 @@ def exchange_urls(url: str) -> list[str]:
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in every]
 
 
+FINGERPRINT_BYTES = 96
+
+
+def exchange_fingerprints(catalog, mine: dict[str, str]) -> None:
+    """Sets every unit's fingerprint in `catalog` (the same units, in the same order, on every rank)
+    from the rank that holds it: each rank gives those of its own units (`mine`), in one all-gather
+    of fixed-size byte tensors over gloo."""
+    import torch.distributed as dist
+
+    buf = torch.zeros(len(catalog.units), FINGERPRINT_BYTES, dtype=torch.uint8)
+    for i, info in enumerate(catalog.units):
+        data = mine.get(info.id, "").encode()
+        if len(data) > FINGERPRINT_BYTES:
+            raise ValueError(f"unit {info.id}: fingerprint longer than {FINGERPRINT_BYTES} bytes")
+        if data:
+            buf[i, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, buf)
+    for i, info in enumerate(catalog.units):
+        row = every[info.rank][i]
+        info.fingerprint = bytes(row.tolist()).rstrip(b"\0").decode()
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

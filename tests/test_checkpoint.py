@@ -85,6 +85,11 @@ def test_a_checkpoint_is_read_rank_by_rank(tmp_path, placement):
         conn = connect(ex.url)
         catalog = conn.catalog()
         assert [u for u in catalog.units if u.kind == "mlp"] and len(catalog.shards) == (2 if placement == "layers" else 0)
+        whole = cat.UnitTable(models.load_model(str(tmp_path)).model)  # (each rank sampled its own units': exchanged)
+        assert {u.id: u.fingerprint for u in catalog.units} == {uid: u.fingerprint for uid, u in whole.units.items()}
+        if placement == "layers":
+            with connect(ex.url + ".r1") as other:
+                assert [(u.id, u.fingerprint) for u in other.catalog().units] == [(u.id, u.fingerprint) for u in catalog.units]
         ref = AutoModelForCausalLM.from_pretrained(tmp_path)
         virt = virtualize(AutoModelForCausalLM.from_pretrained(tmp_path), conn)  # (checks every unit's fingerprint)
         x = ids(2, 17)

@@ -185,6 +185,8 @@ class GrpcServer:
         except DecodeError as e:
             log.warning("gRPC control request from %s malformed: %s", context.peer(), e)
             return control_error(pb.MALFORMED, f"control bytes do not parse as ControlRequest: {e}").SerializeToString()
+        if not self.hub.bound.is_set():  # (a sharded executor's ranks are not all bound yet: no catalog to give)
+            return control_error(pb.UNAVAILABLE, "the executor is starting; try again").SerializeToString()
         try:
             return self._control(req, context).SerializeToString()
         except Exception as e:  # a bug must not kill the control plane

@@ -103,6 +103,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self.config = config
         self.endpoint = urls.control_endpoint(config.name)
         self.lock = threading.RLock()  # a call run while draining delivers under it too
+        self.bound = threading.Event()  # set once serve() has bound its address and on_bound() returned
         self.tenants: dict[int, Tenant] = {}
         self._init_remote()  # tenants of other transports (gRPC), served by the same data loop
         # detached tenants' and outgrown data areas are released by the data loop between
@@ -147,6 +148,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             f.write(self.provider_token)
         if on_bound is not None:
             on_bound()
+        self.bound.set()  # (other transports' servers answer from now on too)
         control = threading.Thread(target=self._control_loop, args=(sock,), name="control", daemon=True)
         control.start()
         try:
