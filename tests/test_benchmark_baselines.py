@@ -15,13 +15,14 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-def test_an_fsdp_job_of_two_cpu_ranks_trains_and_its_ranks_stop_together():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_fsdp_job_of_two_cpu_ranks_trains_and_its_ranks_stop_together(checkpointing):
     import fleet
 
     port = fleet.free_port()
     workers = [["--mode", "fsdp", "--role", "finetune", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32",
                 "--batch", "2", "--seq", "16", "--warmup", "1", "--fsdp-rank", str(r), "--fsdp-world", "2",
-                "--fsdp-port", str(port)] for r in range(2)]
+                "--fsdp-port", str(port)] + (["--checkpointing"] if checkpointing else []) for r in range(2)]
     results, *_ = fleet.run_fleet(workers, 2.0, timeout_s=300)
     assert [r["mode"] for r in results] == ["fsdp", "fsdp"]
     assert len(results[0]["ends"]) == len(results[1]["ends"]) > 0  # (the job's ranks stop at the same step)
