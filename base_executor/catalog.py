@@ -205,11 +205,8 @@ class UnitTable:
                 probes[key] = _probe_stand_in(unit, module, layout)
             if not probes[key]:
                 return
-        else:
-            x = torch.randn(3, unit.in_features, generator=torch.Generator().manual_seed(0)).to(down.weight)
-            with torch.no_grad():
-                if not torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), module(x)):
-                    return
+        elif not _same_forward(unit, module, torch.Generator().manual_seed(0)):
+            return
         self.units[path] = unit
 
     def __len__(self) -> int:
@@ -291,8 +288,6 @@ def _probe_stand_in(unit: Unit, module: nn.Module, layout: gated_mlp.Layout) -> 
     """UnitTable._add_mlp's probe for a block whose weights are on the meta device: a copy of it
     with random weights (gate's and up's rows of one tensor, as the group's), and the MLP unit over
     those, give bitwise the same forward. It holds the block's weights once, in their dtype."""
-    from symbiont.base_executor import runner
-
     pair, down = unit.members
     stand = copy.deepcopy(module)  # (meta parameters stay meta, real ones and buffers are copied)
     g = torch.Generator().manual_seed(0)
@@ -313,8 +308,16 @@ def _probe_stand_in(unit: Unit, module: nn.Module, layout: gated_mlp.Layout) -> 
         probe = dataclasses.replace(unit, members=(
             dataclasses.replace(pair, weight=pair_weight, members=members),
             dataclasses.replace(down, weight=last.weight, bias=last.bias)))
-        x = torch.randn(3, unit.in_features, generator=g).to(last.weight.dtype)
-        return torch.equal(runner.run(probe, pb.FORWARD, x, exact=True), stand(x))
+    return _same_forward(probe, stand, g)
+
+
+def _same_forward(unit: Unit, module: nn.Module, g: torch.Generator) -> bool:
+    """Whether an MLP unit's forward (runner.run) is bitwise its block's own, on random rows."""
+    from symbiont.base_executor import runner
+
+    x = torch.randn(3, unit.in_features, generator=g).to(unit.members[1].weight)
+    with torch.no_grad():
+        return torch.equal(runner.run(unit, pb.FORWARD, x, exact=True), module(x))
 
 
 def _point_members(group: Unit) -> None:

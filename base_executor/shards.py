@@ -180,18 +180,26 @@ def join_group(shard: ShardConfig, timeout_s: float = 900.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def exchange_urls(url: str) -> list[str]:
-    """Every rank's address, index = rank (an all-gather of fixed-size byte tensors over gloo)."""
+def _gather_strings(mine: list[str], width: int, what: str) -> list[list[str]]:
+    """Every rank's list of strings (lists of one length on every rank), index = rank: an
+    all-gather over gloo of one zero-padded utf-8 row of `width` bytes per string (no pickle)."""
     import torch.distributed as dist
 
-    data = url.encode()
-    if len(data) > URL_BYTES:
-        raise ValueError(f"address {url!r} is longer than {URL_BYTES} bytes")
-    mine = torch.zeros(URL_BYTES, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [bytes(t.tolist()).rstrip(b"\0").decode() for t in every]
+    buf = torch.zeros(len(mine), width, dtype=torch.uint8)
+    for i, text in enumerate(mine):
+        data = text.encode()
+        if len(data) > width:
+            raise ValueError(f"{what} {text!r} is longer than {width} bytes")
+        if data:
+            buf[i, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, buf)
+    return [[bytes(row.tolist()).rstrip(b"\0").decode() for row in t] for t in every]
+
+
+def exchange_urls(url: str) -> list[str]:
+    """Every rank's address, index = rank."""
+    return [urls[0] for urls in _gather_strings([url], URL_BYTES, "address")]
 
 
 FINGERPRINT_BYTES = 96
@@ -199,22 +207,10 @@ FINGERPRINT_BYTES = 96
 
 def exchange_fingerprints(catalog, mine: dict[str, str]) -> None:
     """Sets every unit's fingerprint in `catalog` (the same units, in the same order, on every rank)
-    from the rank that holds it: each rank gives those of its own units (`mine`), in one all-gather
-    of fixed-size byte tensors over gloo."""
-    import torch.distributed as dist
-
-    buf = torch.zeros(len(catalog.units), FINGERPRINT_BYTES, dtype=torch.uint8)
+    from the rank that holds it: each rank gives those of its own units (`mine`)."""
+    every = _gather_strings([mine.get(info.id, "") for info in catalog.units], FINGERPRINT_BYTES, "fingerprint")
     for i, info in enumerate(catalog.units):
-        data = mine.get(info.id, "").encode()
-        if len(data) > FINGERPRINT_BYTES:
-            raise ValueError(f"unit {info.id}: fingerprint longer than {FINGERPRINT_BYTES} bytes")
-        if data:
-            buf[i, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    every = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, buf)
-    for i, info in enumerate(catalog.units):
-        row = every[info.rank][i]
-        info.fingerprint = bytes(row.tolist()).rstrip(b"\0").decode()
+        info.fingerprint = every[info.rank][i]
 
 
 def barrier() -> None:
