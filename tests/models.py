@@ -50,6 +50,14 @@ def assert_grads_close(ref: dict, got: dict, rtol: float = 1e-5) -> None:
         assert err <= rtol * scale, f"{name}: |diff| {err:.3e} > {rtol} x |grad| {scale:.3e}"
 
 
+def assert_backward_matches(ref, virt, x: torch.Tensor, rtol: float = 1e-5) -> None:
+    """One language-model backward of the unsplit `ref` and the virtualized `virt` on x: their
+    adapter gradients agree within rtol."""
+    for m in (ref, virt):
+        m(input_ids=x, labels=x).loss.backward()
+    assert_grads_close(lora_grads(ref), lora_grads(virt), rtol=rtol)
+
+
 def assert_sgd_steps_match(ref, virt, x: torch.Tensor, steps: int = 2) -> None:
     """SGD steps of the unsplit `ref` and the virtualized `virt` on x, side by side: after each
     backward their adapter gradients agree (from the second step on, after an update)."""

@@ -1,19 +1,21 @@
-"""A save_pretrained directory served by a layer-placed executor: each rank builds the model with
-its unit weights on the meta device, reads everything else, and then only its own units' weights
-(base_executor/checkpoint.py); fingerprints come from sampled elements of the memory-mapped files.
-Exact against the model loaded whole, end to end through two rank processes over gloo."""
+"""A save_pretrained directory served by a sharded executor: each rank builds the model with its
+unit weights on the meta device, reads everything else, and then only its own units' weights, or
+under tensor placement its slices (base_executor/checkpoint.py); fingerprints come from sampled
+elements of the memory-mapped files. Exact against the model loaded whole, end to end through two
+rank processes over gloo."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from symbiont import VirtLayer, connect, virtualize
+from symbiont import connect, virtualize
 from symbiont.base_executor import catalog as cat
 from symbiont.base_executor import checkpoint, models
 from symbiont.base_executor.models import build_builtin
 from tests.conftest import running_executor
-from tests.models import assert_sgd_steps_match, ids, lora_model
+from tests.models import ids
+from tests.test_shards import _lora_steps_match
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-phi3"])
@@ -107,11 +109,7 @@ def test_a_checkpoint_is_read_rank_by_rank(tmp_path, placement):
         with torch.no_grad():  # (a tenant with no checkpoint: the skeleton's non-unit weights were read by rank 0)
             torch.testing.assert_close(own.model()(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
         own.close()
-        lora_ref, lora_virt = lora_model(name), virtualize(lora_model(name), ex.url)
-        assert_sgd_steps_match(lora_ref, lora_virt, ids(2, 10, seed=5))
-        for m in lora_virt.modules():
-            if isinstance(m, VirtLayer):
-                m.transport.close()
+        _lora_steps_match(name, ex.url)
         if placement == "tensor":
             assert ex.log().count("this rank's slices of") == 2
             return

@@ -17,7 +17,7 @@ from symbiont.base_executor.models import build_builtin
 from symbiont.errors import InvalidCallError, MalformedMessageError, ShapeMismatchError
 from symbiont.proto import executor_pb2 as pb
 from tests.conftest import REPO, running_executor
-from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.models import assert_backward_matches, ids, lora_model
 from tests.test_grpc import free_port
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -51,9 +51,7 @@ def test_a_tenant_on_the_plane_is_exact_beside_one_on_the_stream(executor):
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(on.generate(prompt, **kw), ref.generate(prompt, **kw))
     lref, lon = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(executor.grpc, plane="nccl"))
-    for m in (lref, lon):
-        m(input_ids=x, labels=x).loss.backward()
-    assert_grads_close(lora_grads(lref), lora_grads(lon))
+    assert_backward_matches(lref, lon, x)
     with connect(executor.url) as observer:
         placements = [t.placement for t in observer.stats().tenant_stats]
     assert placements.count("remote, gloo plane") == 2 and placements.count("remote") == 1
@@ -217,9 +215,7 @@ def test_a_gpu_tenant_of_another_gpu_takes_its_nccl_plane_as_if_from_another_hos
         assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
         ref_l = lora_model(name, base=build_builtin(name).to(dev))
         virt_l = virtualize(lora_model(name, base=build_builtin(name).to(dev)), connect(url, plane="nccl"))
-        for m in (ref_l, virt_l):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=tol["rtol"])
+        assert_backward_matches(ref_l, virt_l, x, rtol=tol["rtol"])
         code = (
             "import os, torch\n"
             "from symbiont import connect\n"

@@ -9,7 +9,7 @@ from symbiont.base_executor.models import build_builtin
 from symbiont import virtualize
 from tests.conftest import running_executor
 from tests.jobs import gpu_tenant_and_input
-from tests.models import ARCHS, assert_grads_close, ids, lora_grads, lora_model
+from tests.models import ARCHS, assert_backward_matches, ids, lora_grads, lora_model
 
 pytestmark = pytest.mark.gpu
 
@@ -27,9 +27,7 @@ def test_cuda_executor_cpu_tenant_parity(name):
         kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
         ref_l, virt_l = lora_model(name), virtualize(lora_model(name), ex.url)
-        for m in (ref_l, virt_l):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-4)
+        assert_backward_matches(ref_l, virt_l, x, rtol=1e-4)
 
 
 def test_cuda_executor_bfloat16():
@@ -54,9 +52,7 @@ def test_same_gpu_tenant_parity(name):
         kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert torch.equal(ref.generate(x[:1], **kw), virt.generate(x[:1], **kw))
         ref_l, virt_l = lora_model(name, base=build_builtin(name).cuda()), virtualize(lora_model(name, base=build_builtin(name).cuda()), ex.url)
-        for m in (ref_l, virt_l):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-5)
+        assert_backward_matches(ref_l, virt_l, x, rtol=1e-5)
         big = ids(4, 200).cuda()  # forces the device mailbox to grow
         with torch.no_grad():
             torch.testing.assert_close(virt(big).logits, ref(big).logits, rtol=1e-5, atol=1e-5)
@@ -605,9 +601,7 @@ def test_peer_gpu_tenant_parity(name, own_streams):
             assert torch.cuda.current_device() == current
         torch.cuda.set_device(dev)
         ref_l, virt_l = lora_model(name, base=build_builtin(name).to(dev)), virtualize(lora_model(name, base=build_builtin(name).to(dev)), conn)
-        for m in (ref_l, virt_l):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref_l), lora_grads(virt_l), rtol=1e-5)
+        assert_backward_matches(ref_l, virt_l, x, rtol=1e-5)
         assert "CUDA IPC" in ex.log()
         conn.close()
 
@@ -823,7 +817,6 @@ def test_gpu_tenant_over_grpc_and_a_gpu_executor():
     import socket
 
     from symbiont import connect
-    from tests.models import assert_grads_close
 
     torch.backends.cuda.matmul.allow_tf32 = False
     with socket.socket() as s:
@@ -838,6 +831,4 @@ def test_gpu_tenant_over_grpc_and_a_gpu_executor():
             torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
         lref = lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda())
         lvirt = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), connect(url))
-        for m in (lref, lvirt):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(lref), lora_grads(lvirt), rtol=1e-4)
+        assert_backward_matches(lref, lvirt, x, rtol=1e-4)

@@ -27,7 +27,7 @@ from symbiont.errors import (
 )
 from symbiont.proto import executor_pb2 as pb
 from tests.conftest import REPO, running_executor
-from tests.models import assert_grads_close, ids, lora_grads, lora_model
+from tests.models import assert_backward_matches, ids, lora_model
 
 
 def free_port() -> int:
@@ -79,9 +79,7 @@ def test_grpc_tenant_is_exact_beside_a_local_tenant(insecure):
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(remote.generate(prompt, **kw), ref.generate(prompt, **kw))
     lref, lrem = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(insecure.grpc))
-    for m in (lref, lrem):
-        m(input_ids=x, labels=x).loss.backward()
-    assert_grads_close(lora_grads(lref), lora_grads(lrem))
+    assert_backward_matches(lref, lrem, x)
     with connect(insecure.url) as observer:
         placements = sorted(t.placement for t in observer.stats().tenant_stats)
     assert placements.count("remote") == 2 and "cpu" in placements
@@ -308,9 +306,7 @@ def test_dora_over_grpc(insecure):
     ref = _dora(build_builtin("tiny-llama"))
     virt = _dora(virtualize(build_builtin("tiny-llama"), insecure.grpc))
     x = ids(2, 7, seed=4)
-    for m in (ref, virt):
-        m(input_ids=x, labels=x).loss.backward()
-    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    assert_backward_matches(ref, virt, x)
 
 
 def test_hf_trainer_over_grpc_with_masking(insecure, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from symbiont.base_executor.models import build_builtin
 from symbiont import VirtLayer, connect, virtualize
-from tests.models import ARCHS, assert_grads_close, assert_sgd_steps_match, ids, lora_grads, lora_model
+from tests.models import ARCHS, assert_backward_matches, assert_grads_close, assert_sgd_steps_match, ids, lora_grads, lora_model
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -127,9 +127,7 @@ def test_other_peft_methods_after_get_peft_model(executor, method):
     virt = virtualize(_peft(build_builtin("tiny-llama"), method), executor.url)
     assert any(isinstance(m, VirtLayer) for m in virt.modules())
     x = ids(2, 7, seed=9)
-    for m in (ref, virt):
-        m(input_ids=x, labels=x).loss.backward()
-    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    assert_backward_matches(ref, virt, x)
     with torch.no_grad():
         assert torch.equal(ref(input_ids=x).logits, virt(input_ids=x).logits)
 
@@ -248,9 +246,7 @@ def test_a_linear_subclass_runs_its_own_forward_around_the_call(executor, cls):
     x = ids(2, 7, seed=3)
     with torch.no_grad():
         assert torch.equal(ref(x).logits, virt(x).logits)
-    for m in (ref, virt):
-        m(input_ids=x, labels=x).loss.backward()
-    assert_grads_close(lora_grads(ref), lora_grads(virt))
+    assert_backward_matches(ref, virt, x)
 
 
 class _IndexedEmbedding(torch.nn.Embedding):
@@ -358,6 +354,4 @@ def test_modules_with_a_forward_of_their_own_under_peft_either_side(tmp_path, me
         virt = (virtualize(_seeded_peft(_tiny_opt(), config), ex.url) if order == "peft-then-virtualize"
                 else _seeded_peft(virtualize(_tiny_opt(), ex.url), config))
         x = ids(2, 9)
-        for m in (ref, virt):
-            m(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(ref), lora_grads(virt))
+        assert_backward_matches(ref, virt, x)
