@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import os
@@ -202,8 +203,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             attached = len(tenants) + len(self.remote)
             ran = False
             while True:
-                can_grow = self.core.scheduler.waiting_tenants() < attached and not stopping
-                results = self.core.step(time.monotonic(), can_grow, attached)
+                now = time.monotonic()
+                can_grow = not stopping and self._company_until(tenants, now) > now
+                results = self.core.step(now, can_grow, attached)
                 if not results:
                     break
                 self._deliver(results)
@@ -224,6 +226,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             if ran or got:
                 continue
             deadline = self.core.scheduler.next_deadline()
+            if deadline is not None:  # (no one may join past the company's window: run then)
+                deadline = min(deadline, max(self._company_until(tenants, now), now))
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
@@ -348,6 +352,20 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._native_failed = True
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
+
+    def _company_until(self, tenants: list[Tenant], now: float) -> float:
+        """Until when a queued call may still get company in its batch (0.0: it cannot).
+
+        Under lockstep, while some attached tenant has no call queued. Otherwise only a tenant
+        with no call queued that called lately may send one soon enough to join: its window is the
+        scheduler's longest wait after its last call. Tenants that called long ago (idle ones, or
+        under layer placement the tenants at another rank's layers) are waited for by no one."""
+        sched = self.core.scheduler
+        everyone = itertools.chain(tenants, self.remote.values())
+        if sched.config.policy == "lockstep":
+            return math.inf if sched.waiting_tenants() < len(tenants) + len(self.remote) else 0.0
+        last = max((o.last_call for o in everyone if not sched.waiting(o.id)), default=0.0)
+        return last + sched.config.max_wait_us * 1e-6 if last else 0.0
 
     def _alone(self, t: Tenant) -> bool:
         """Whether t's next call would run alone: no call of t is queued, and no other tenant may

@@ -28,6 +28,7 @@ class RemoteTenant:
     credential_name: str  # the provider's name for its credential ("" when none is required)
     latency: int = pb.TRAINING
     plane: object = None  # its collective plane (transports/collective.py's TenantPlane), when it asked for one
+    last_call: float = 0.0  # when its last call was taken from the inbox
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -95,7 +96,8 @@ class RemoteTenants:
         while self._inbox:
             call = self._inbox.popleft()
             n += 1
-            if call.tenant not in self.remote:
+            sender = self.remote.get(call.tenant)
+            if sender is None:
                 continue
             try:
                 if stopping:
@@ -104,7 +106,7 @@ class RemoteTenants:
                     call.x = call.x.to(self.core.device)
                 elif call.x.is_cuda:  # (a collective plane's bytes, received on its own stream)
                     call.x.record_stream(torch.cuda.current_stream(self.core.device))
-                call.arrived = time.monotonic()
+                call.arrived = sender.last_call = time.monotonic()
                 self.core.submit(call)
             except CallError as e:
                 self.core.counters.errors += 1
