@@ -55,26 +55,33 @@ def test_training_and_generating_tenants_get_solo_results(tmp_path, exact):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{mode} {key}")
 
 
-def test_a_tenant_waits_for_no_one_while_the_others_are_idle():
+@pytest.mark.parametrize("busy_on,idle_on", [("local", "local"), ("grpc", "local"), ("local", "grpc")])
+def test_a_tenant_waits_for_no_one_while_the_others_are_idle(busy_on, idle_on):
     """Opportunistic batching waits only for tenants that called lately: with batching waits of 2 s
     and a second tenant attached but idle, the first tenant's calls run at once (its forward is not
-    held 2 s a call) and give the unsplit model's logits."""
+    held 2 s a call) and give the unsplit model's logits; tenants over local:// and gRPC alike."""
+    import socket
     import time
 
     from symbiont import virtualize
     from symbiont.base_executor.models import build_builtin
     from tests.models import ids
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     x = ids(1, 5)
     want = build_builtin("tiny-llama")(x).logits.detach()
-    with running_executor("tiny-llama", "--max-wait-us", "2000000", "--inference-wait-us", "2000000") as ex, \
-            connect(ex.url, name="busy") as a, connect(ex.url, name="idle") as b:
-        va, vb = virtualize(build_builtin("tiny-llama"), a), virtualize(build_builtin("tiny-llama"), b)
-        with torch.no_grad():
-            vb(x)  # b's calls wait for no one: a never called
-        time.sleep(2.5)  # b idles past its window
-        with torch.no_grad():
-            got = va(x).logits
-        waits = [c.wait_p99_us for c in a.stats().classes if c.calls]
+    with running_executor("tiny-llama", "--max-wait-us", "2000000", "--inference-wait-us", "2000000",
+                          "--listen", f"grpc://127.0.0.1:{port}", "--insecure") as ex:
+        url = {"local": ex.url, "grpc": f"grpc://127.0.0.1:{port}"}
+        with connect(url[busy_on], name="busy") as a, connect(url[idle_on], name="idle") as b:
+            va, vb = virtualize(build_builtin("tiny-llama"), a), virtualize(build_builtin("tiny-llama"), b)
+            with torch.no_grad():
+                vb(x)  # b's calls wait for no one: a never called
+            time.sleep(2.5)  # b idles past its window
+            with torch.no_grad():
+                got = va(x).logits
+            waits = [c.wait_p99_us for c in a.stats().classes if c.calls]
     torch.testing.assert_close(got, want)
     assert waits and max(waits) < 1e6, waits  # (each call held 2 s before)
