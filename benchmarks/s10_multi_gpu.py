@@ -121,14 +121,18 @@ def main() -> int:
             fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
     print(f"\nS10 {a.model} on {a.gpus} GPUs, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
-    print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8}")
+    print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8} {'calls a batch':>14} {'wait p50 us':>12}")
     for r in rows:
         if "failed" in r:
             print(f"{r['k']:>3} {r['who']:<22} failed: {r['failed']}")
             continue
         per_gpu = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
         tf = f"{r['tokens_per_s'] * flops / 1e12:.0f}" if flops else "-"
-        print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8}")
+        b = r.get("batches") or {}  # (the executor's counters over the row: tenants' rows only)
+        per_batch = f"{b['calls_per_batch']:.2f}" if b.get("calls_per_batch") else "-"
+        wait = f"{b['training_wait_p50_us']:.0f}" if b.get("training_wait_p50_us") is not None else "-"
+        print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8} "
+              f"{per_batch:>14} {wait:>12}")
     fsdp = max((r["tokens_per_s"] for r in rows if r["who"].startswith("fsdp") and "failed" not in r), default=0.0)
     if fsdp:
         print(f"\nadapters trained in the same time, against FSDP's best ({fsdp:.0f} tokens/s; goal 4x):")
