@@ -2,7 +2,7 @@
 independent HF + PEFT processes spread over the same GPUs (MPS on), and against FSDP.
 
     python benchmarks/s10_multi_gpu.py --model llama-8b --gpus 2 --ks 1,4,8,12 [--max-processes 6] [--seconds 20]
-        [--executors "layers=;tensor=--placement tensor"] [--fsdp-jobs 1,2]
+        [--executors "layers=;tensor=--placement tensor"] [--fsdp-jobs 1,2] [--py-spy K]
 
 Tenant i (and process i) sits on GPU i mod --gpus. The executor is `base-executor serve --devices
 cuda:0,...,cuda:G-1`: with layer placement (the default) each rank holds its share of the layers,
@@ -30,6 +30,15 @@ import fleet
 FLOPS_PER_TOKEN = {"llama-1b": 5.0e9, "llama-8b": 33e9, "llama-70b": 2.9e11}
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux), oldest first: a sharded executor's ranks 1.. of rank 0."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return sorted(int(v) for v in f.read().split())
+    except OSError:
+        return []
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-8b")
@@ -49,6 +58,8 @@ def main() -> int:
     p.add_argument("--fsdp-batches", default="", help="FSDP rows at each of these batch sizes per rank (comma list; "
                    "default --batch): the baseline at its best batch")
     p.add_argument("--fsdp-jobs", default="1", help="FSDP baseline rows: jobs run at once, comma list ('' for none)")
+    p.add_argument("--py-spy", type=int, default=0, help="at this K, sample every rank of the executor and tenant 0 with "
+                   "py-spy (pip install py-spy) and print where their time goes")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -106,15 +117,30 @@ def main() -> int:
             for k in ks:
                 who = f"symbiont {name} x{a.gpus}"
                 before = fleet.executor_stats(url)
+                spies, spy_paths = [], []
+
+                def on_go(_, pids, k=k):
+                    ranks = [proc.pid] + children(proc.pid)  # (rank 0 starts the others)
+                    for who, pid in [*((f"rank{r}", pid) for r, pid in enumerate(ranks)), ("tenant0", pids[0])]:
+                        spy_paths.append((who, out / f"s10_{a.model}_x{a.gpus}_{a.tag}_k{k}_{who}_pyspy.txt"))
+                        spies.append(fleet.py_spy(pid, a.seconds * 0.8, spy_paths[-1][1]))
+
                 try:
                     res, _, peaks = fleet.run_fleet([["--mode", "symbiont", "--url", url, *common(i)] for i in range(k)],
-                                                    a.seconds, per_gpu=True)
+                                                    a.seconds, per_gpu=True, on_go=on_go if a.py_spy == k else None)
                 except RuntimeError as e:  # (say so, and go on with the next K: the executor log says why)
                     rows.append({"k": k, "who": who, "failed": str(e)})
                     print(json.dumps(rows[-1]), flush=True)
                     save()
                     break
                 after = fleet.executor_stats(url)
+                for spy in spies:
+                    spy.wait()
+                for name_, path in spy_paths:
+                    from s6_profile import top_frames
+
+                    within = "_data_loop" if name_.startswith("rank") else ""
+                    print(f"{name_} (py-spy):\n" + top_frames(path, fleet.REPO, within=within), flush=True)
                 rows.append(row(k, who, res, peaks, batches=fleet.batch_share(before, after)))
                 save()
         finally:
