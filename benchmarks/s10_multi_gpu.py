@@ -30,6 +30,11 @@ import fleet
 FLOPS_PER_TOKEN = {"llama-1b": 5.0e9, "llama-8b": 33e9, "llama-70b": 2.9e11}
 
 
+def per_gpu(peaks: list[int], gpus: int) -> list[int]:
+    """nvidia-smi's figures of the first `gpus` GPUs (zeros where it has none: no GPU)."""
+    return (list(peaks) + [0] * gpus)[:gpus]
+
+
 def children(pid: int) -> list[int]:
     """The child processes of `pid` (Linux), oldest first: a sharded executor's ranks 1.. of rank 0."""
     try:
@@ -60,23 +65,26 @@ def main() -> int:
     p.add_argument("--fsdp-jobs", default="1", help="FSDP baseline rows: jobs run at once, comma list ('' for none)")
     p.add_argument("--py-spy", type=int, default=0, help="at this K, sample every rank of the executor and tenant 0 with "
                    "py-spy (pip install py-spy) and print where their time goes")
+    p.add_argument("--cpu", action="store_true", help="every rank, tenant and process on the CPU (float32): the runner's "
+                   "smoke test with a small model (tests/test_benchmark_baselines.py), no figures")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(k) for k in a.ks.split(",")]
-    devices = [f"cuda:{g}" for g in range(a.gpus)]
+    devices = ["cpu"] * a.gpus if a.cpu else [f"cuda:{g}" for g in range(a.gpus)]
     with fleet.GpuMemory() as idle:
         time.sleep(1.0)
-    idle = idle.peaks[: a.gpus]
+    idle = per_gpu(idle.peaks, a.gpus)
 
     def common(i: int, device: str = "", batch: int = 0) -> list[str]:
         return ["--role", "finetune", "--model", a.model, "--device", device or devices[i % a.gpus], "--batch", str(batch or a.batch),
-                "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)] + (["--checkpointing"] if a.checkpointing else [])
+                "--seq", str(a.seq), "--warmup", str(a.warmup), "--index", str(i)] + (["--checkpointing"] if a.checkpointing else []) + \
+            (["--dtype", "float32"] if a.cpu else [])
 
     def row(k: int, who: str, res, peaks, **more) -> dict:
-        used = [peaks[g] - idle[g] for g in range(a.gpus)]
+        used = [p - i for p, i in zip(per_gpu(peaks, a.gpus), idle)]
         r = {"k": k, "who": who, **fleet.finetune_figures(res), "gpu_used_per_gpu": used, **more}
         print(json.dumps(r), flush=True)
         return r
@@ -111,12 +119,14 @@ def main() -> int:
     variants = fleet.executor_variants(argparse.Namespace(executors=a.executors, policies="opportunistic", serve_args=a.serve_args))
     for name, flags in variants:
         t0 = time.monotonic()
-        proc, url = fleet.start_executor(a.executor_model or a.model, devices[0], "--devices", ",".join(devices), *flags, log_dir=out)
+        proc, url = fleet.start_executor(a.executor_model or a.model, devices[0], "--devices", ",".join(devices), *flags,
+                                         *(["--dtype", "float32"] if a.cpu else []), log_dir=out)
         print(f"executor {name} over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
         try:
             for k in ks:
                 who = f"symbiont {name} x{a.gpus}"
-                before = fleet.executor_stats(url)
+                rank_urls = [url] + [f"{url}.r{r}" for r in range(1, a.gpus)]  # (each rank serves its own name too)
+                before = [fleet.executor_stats(u) for u in rank_urls]
                 spies, spy_paths = [], []
 
                 def on_go(_, pids, k=k):
@@ -133,32 +143,35 @@ def main() -> int:
                     print(json.dumps(rows[-1]), flush=True)
                     save()
                     break
-                after = fleet.executor_stats(url)
+                after = [fleet.executor_stats(u) for u in rank_urls]
                 for spy in spies:
                     spy.wait()
-                for name_, path in spy_paths:
+                for spy_who, spy_path in spy_paths:
                     from s6_profile import top_frames
 
-                    within = "_data_loop" if name_.startswith("rank") else ""
-                    print(f"{name_} (py-spy):\n" + top_frames(path, fleet.REPO, within=within), flush=True)
-                rows.append(row(k, who, res, peaks, batches=fleet.batch_share(before, after)))
+                    within = "_data_loop" if spy_who.startswith("rank") else ""
+                    print(f"{spy_who} (py-spy):\n" + top_frames(spy_path, fleet.REPO, within=within), flush=True)
+                per_rank = [fleet.batch_share(b, e) for b, e in zip(before, after)]
+                rows.append(row(k, who, res, peaks, batches=per_rank[0], batches_per_rank=per_rank))
                 save()
         finally:
             fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
     print(f"\nS10 {a.model} on {a.gpus} GPUs, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
-    print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8} {'calls a batch':>14} {'wait p50 us':>12}")
+    print(f"{'K':>3} {'who':<22} {'tokens/s':>9} {'step p50':>9} {'GB per GPU':>16} {'TFLOP/s':>8} {'calls a batch':>14} {'wait p50 us per rank':>22}")
     for r in rows:
         if "failed" in r:
             print(f"{r['k']:>3} {r['who']:<22} failed: {r['failed']}")
             continue
-        per_gpu = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
+        gbs = "/".join(f"{u / 1e9:.1f}" for u in r["gpu_used_per_gpu"])
         tf = f"{r['tokens_per_s'] * flops / 1e12:.0f}" if flops else "-"
-        b = r.get("batches") or {}  # (the executor's counters over the row: tenants' rows only)
-        per_batch = f"{b['calls_per_batch']:.2f}" if b.get("calls_per_batch") else "-"
-        wait = f"{b['training_wait_p50_us']:.0f}" if b.get("training_wait_p50_us") is not None else "-"
-        print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {per_gpu:>16} {tf:>8} "
-              f"{per_batch:>14} {wait:>12}")
+        ranks = r.get("batches_per_rank") or []  # (the ranks' counters over the row: tenants' rows only)
+        calls, batches = sum(b["calls"] for b in ranks), sum(b["batches"] for b in ranks)
+        per_batch = f"{calls / batches:.2f}" if batches else "-"
+        waits = [b["training_wait_p50_us"] for b in ranks if b.get("training_wait_p50_us") is not None]
+        wait = "/".join(f"{w:.0f}" for w in waits) or "-"
+        print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {gbs:>16} {tf:>8} "
+              f"{per_batch:>14} {wait:>22}")
     fsdp = max((r["tokens_per_s"] for r in rows if r["who"].startswith("fsdp") and "failed" not in r), default=0.0)
     if fsdp:
         print(f"\nadapters trained in the same time, against FSDP's best ({fsdp:.0f} tokens/s; goal 4x):")

@@ -27,3 +27,25 @@ def test_an_fsdp_job_of_two_cpu_ranks_trains_and_its_ranks_stop_together(checkpo
     assert [r["mode"] for r in results] == ["fsdp", "fsdp"]
     assert len(results[0]["ends"]) == len(results[1]["ends"]) > 0  # (the job's ranks stop at the same step)
     assert fleet.finetune_figures(results)["tokens_per_s"] > 0
+
+
+def test_s10_runs_on_cpu_ranks_and_reports_every_rank(tmp_path):
+    """S10's runner end to end on CPU processes (its smoke test: the GPU runs cost device time):
+    plain processes, an FSDP job of two ranks and tenants of a two-rank executor each give a row;
+    the tenants' rows carry both ranks' counters, and both ranks served calls."""
+    import json
+    import subprocess
+
+    out = tmp_path / "s10"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "s10_multi_gpu.py"), "--cpu", "--model", "tiny-llama", "--gpus", "2",
+           "--ks", "1,2", "--max-processes", "1", "--fsdp-jobs", "1", "--batch", "1", "--seq", "16", "--seconds", "2",
+           "--warmup", "1", "--out", str(out), "--tag", "smoke"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=os.path.join(REPO, "benchmarks"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((out / "s10_tiny-llama_x2_smoke.json").read_text())["rows"]
+    assert [(r["k"], r["who"]) for r in rows] == [(1, "processes"), (1, "fsdp x2"), (1, "symbiont opportunistic x2"),
+                                                  (2, "symbiont opportunistic x2")], rows
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    for r in rows[2:]:
+        assert len(r["batches_per_rank"]) == 2 and all(b["calls"] > 0 for b in r["batches_per_rank"]), r
+    assert "adapters trained in the same time" in done.stdout
