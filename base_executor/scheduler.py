@@ -136,14 +136,20 @@ class Scheduler:
             why = f"the executor is saturated: {self.queued_tokens} tokens queued (at most {c.max_queued_tokens})"
         if why is not None:
             raise Refused(why, self.retry_after_s(call.tenant))
-        # A call's expected wait: what its class's calls waited lately, while anything is queued (the
-        # queues empty, it runs as soon as its batch forms). Lockstep waits for tenants, not for work:
-        # a budget would refuse the very call the queues wait for, so it is not checked there.
+        # A call's expected wait: what its class's calls waited lately, or how long the oldest one
+        # queued now has waited, if longer (a stuck queue shows before it runs), while anything is
+        # queued (the queues empty, it runs as soon as its batch forms). Lockstep waits for tenants,
+        # not for work: a budget would refuse the very call the queues wait for, so it is not checked there.
         if call.budget_s and self.queued_tokens and c.policy != "lockstep":
-            expected = self._wait_ema[call.latency]
+            expected = max(self._wait_ema[call.latency], self._oldest_wait(call.latency, call.arrived))
             if expected > call.budget_s:
                 raise Refused(f"calls of its class waited ~{expected * 1e3:.3f} ms lately with {self.queued_tokens} tokens "
                               f"queued, past the call's budget of {call.budget_s * 1e3:.3f} ms", self.retry_after_s(), pb.OVER_BUDGET)
+
+    def _oldest_wait(self, latency: int, now: float) -> float:
+        """How long the oldest queued call of the class `latency` has waited at `now` (0.0: none queued)."""
+        oldest = min((c.arrived for q in self._queues.values() for c in q if c.latency == latency), default=now)
+        return max(0.0, now - oldest)
 
     def retry_after_s(self, tenant: int | None = None) -> float:
         """About how long the queued tokens (`tenant`'s, or everyone's) take to drain."""

@@ -168,6 +168,20 @@ def test_a_call_that_would_wait_past_its_budget_is_refused_at_once(model):
     assert core.scheduler.pending() == 1
 
 
+def test_a_queue_stuck_before_any_call_ran_refuses_a_call_over_its_budget(model):
+    """The expected wait counts the oldest call of the class queued now, not only the waits of calls
+    that ran: nothing has run yet (no wait measured), but a call queued 0.5 s ago says calls wait."""
+    core = core_for(model, max_wait_us=10_000_000)
+    core.submit(call(core, 1, Q, 8, t=0.0))
+    tight, other_class = call(core, 2, K, 1, t=0.5, seed=1), call(core, 3, K, 1, t=0.5, latency=pb.INFERENCE, seed=2)
+    tight.budget_s = other_class.budget_s = 0.001
+    with pytest.raises(CallError, match="budget") as e:
+        core.submit(tight)
+    assert e.value.code == pb.OVER_BUDGET
+    core.submit(other_class)  # (no inference call is queued: its class waits for nothing)
+    assert core.scheduler.pending() == 2
+
+
 def test_lockstep_never_refuses_a_call_for_its_budget(model):
     """Under lockstep the queues wait for tenants: refusing one for its budget would refuse the very
     call the others wait for."""

@@ -97,6 +97,7 @@ class Tenant:
     held: tuple[pb.CallRequest, float] | None = None  # a same-GPU call whose input copy is still running
     waiting_since: float = 0.0  # when the call `areas.stream` waits for was taken
     last_call: float = 0.0  # when its last call was taken from its ring
+    last_reply: float = 0.0  # when its last result was delivered (it may call again soon)
 
     @property
     def box(self) -> mailbox.Mailbox:

@@ -200,11 +200,13 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 tenants = list(self.tenants.values())
                 got = sum(self._drain_safely(t, stopping) for t in tenants)
             got += self._drain_remote(stopping)
-            attached = len(tenants) + len(self.remote)
+            with self.lock:  # (gRPC threads attach and detach remote tenants)
+                remote = list(self.remote.values())
+            attached = len(tenants) + len(remote)
             ran = False
             while True:
                 now = time.monotonic()
-                can_grow = not stopping and self._company_until(tenants, now) > now
+                can_grow = not stopping and self._company_until(tenants, remote) > now
                 results = self.core.step(now, can_grow, attached)
                 if not results:
                     break
@@ -227,7 +229,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 continue
             deadline = self.core.scheduler.next_deadline()
             if deadline is not None:  # (no one may join past the company's window: run then)
-                deadline = min(deadline, max(self._company_until(tenants, now), now))
+                deadline = min(deadline, max(self._company_until(tenants, remote), now))
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
@@ -353,18 +355,19 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
 
-    def _company_until(self, tenants: list[Tenant], now: float) -> float:
+    def _company_until(self, tenants: list[Tenant], remote: list) -> float:
         """Until when a queued call may still get company in its batch (0.0: it cannot).
 
         Under lockstep, while some attached tenant has no call queued. Otherwise only a tenant
-        with no call queued that called lately may send one soon enough to join: its window is the
-        scheduler's longest wait after its last call. Tenants that called long ago (idle ones, or
-        under layer placement the tenants at another rank's layers) are waited for by no one."""
+        with no call queued that called or got a result lately may send a call soon enough to
+        join: its window is the scheduler's longest wait after the later of the two. Tenants idle
+        for longer (and, under layer placement, those working at another rank's layers) are
+        waited for by no one."""
         sched = self.core.scheduler
-        everyone = itertools.chain(tenants, self.remote.values())
         if sched.config.policy == "lockstep":
-            return math.inf if sched.waiting_tenants() < len(tenants) + len(self.remote) else 0.0
-        last = max((o.last_call for o in everyone if not sched.waiting(o.id)), default=0.0)
+            return math.inf if sched.waiting_tenants() < len(tenants) + len(remote) else 0.0
+        last = max((max(o.last_call, o.last_reply) for o in itertools.chain(tenants, remote) if not sched.waiting(o.id)),
+                   default=0.0)
         return last + sched.config.max_wait_us * 1e-6 if last else 0.0
 
     def _alone(self, t: Tenant) -> bool:

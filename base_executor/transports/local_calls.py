@@ -321,10 +321,12 @@ class LocalCalls:
                 else:
                     out.event = True
                 out.results.append(r)
+            now = time.monotonic()
             for tid, out in told.items():
                 t = self.tenants.get(tid)
                 if t is None:
                     continue
+                t.last_reply = now
                 # first (the tenant's GPU waits for it, not for the reply), and before any reply:
                 # the tenant's GPU (or its host, told by the reply) waits for our writes
                 if out.seq:

@@ -29,6 +29,7 @@ class RemoteTenant:
     latency: int = pb.TRAINING
     plane: object = None  # its collective plane (transports/collective.py's TenantPlane), when it asked for one
     last_call: float = 0.0  # when its last call was taken from the inbox
+    last_reply: float = 0.0  # when its last result was handed back
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -116,8 +117,12 @@ class RemoteTenants:
     def _deliver_remote(self, results: list[Result]) -> None:
         """Data loop: hands remote calls' results to their senders (a GPU result copied to the host
         behind an event the sender waits for)."""
+        now = time.monotonic()
         for r in results:
             d = r.call.tag
+            sender = self.remote.get(r.call.tenant)
+            if sender is not None:
+                sender.last_reply = now
             if r.error is not None:
                 d.done(r.error, None, None)
                 continue
