@@ -69,14 +69,39 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
     return "\n".join(lines)
 
 
+def rank_urls(url: str, timeout_s: float = 5.0) -> list[str]:
+    """The local:// address of every rank of the executor serving `url` (itself alone when it is not sharded)."""
+    shards = request(url, pb.ControlRequest(catalog=pb.CatalogRequest()), timeout_s, what="catalog").catalog.shards
+    found = [next((u for u in s.urls if urls.parse(u)[0] == "local"), "") for s in shards]
+    return found if len(found) > 1 and all(found) else [url]
+
+
+def sharded_table(now: list[pb.StatsReply], before: list[pb.StatsReply] | None, seconds: float, where: list[str]) -> str:
+    """A sharded executor's table: the totals over its ranks, then each rank's own table (its units'
+    calls, its queues, its GPU's memory; every tenant is attached to every rank)."""
+    rated = before is not None and seconds > 0
+    calls, batches, tokens = (sum(getattr(r, f) for r in now) for f in ("calls", "batches", "tokens"))
+    total = (f"{len(now)} ranks | calls {calls} | batches {batches} | tokens {tokens} | "
+             f"{calls / max(batches, 1):.2f} calls per batch | GPU {sum(r.gpu_allocated_bytes for r in now) / 2**30:.2f} GiB allocated")
+    if rated:
+        flops = sum(r.flops for r in now) - sum(r.flops for r in before)
+        total += f" | now {(calls - sum(r.calls for r in before)) / seconds:.0f} calls/s, {flops / seconds / 1e12:.2f} TFLOP/s"
+    parts = [total]
+    for i, (r, u) in enumerate(zip(now, where)):
+        parts += [f"\n== rank {i} ({u})", table(r, before[i] if rated else None, seconds)]
+    return "\n".join(parts)
+
+
 def show(url: str, watch: float = 0.0) -> int:
-    """`base-executor stats URL`: the table once (rates over one second), or every `watch` seconds."""
-    before, t0 = fetch(url), time.monotonic()
+    """`base-executor stats URL`: the table once (rates over one second), or every `watch` seconds;
+    for a sharded executor, the totals over its ranks and each rank's table."""
+    where = rank_urls(url)
+    before, t0 = [fetch(u) for u in where], time.monotonic()
     period = watch or 1.0
     while True:
         time.sleep(period)
-        now, t1 = fetch(url), time.monotonic()
-        text = table(now, before, t1 - t0)
+        now, t1 = [fetch(u) for u in where], time.monotonic()
+        text = table(now[0], before[0], t1 - t0) if len(where) == 1 else sharded_table(now, before, t1 - t0, where)
         if not watch:
             print(text)
             return 0

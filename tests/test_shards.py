@@ -298,3 +298,26 @@ def test_tensor_placement_with_unfused_members_on_ranks_that_hold_none_of_their_
     name = "tiny-llama"
     with running_executor(name, "--devices", "cpu,cpu,cpu,cpu", "--placement", "tensor") as ex:
         _lora_steps_match(name, ex.url, fuse=False)
+
+
+def test_stats_command_of_a_sharded_executor_shows_every_rank():
+    """`base-executor stats URL` on an executor of two ranks: the totals over both, and each rank's
+    own table, both ranks having served the tenant's calls (a rank's stats are its own)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    with running_executor("tiny-llama", "--devices", "cpu,cpu") as ex, connect(ex.url, name="ranked") as conn:
+        with torch.no_grad():
+            virtualize(build_builtin("tiny-llama"), conn)(ids(1, 6))
+        out = subprocess.run([sys.executable, "-m", "symbiont.base_executor.cli", "stats", ex.url],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("2 ranks | calls "), out.stdout
+    assert f"== rank 0 ({ex.url})" in out.stdout and f"== rank 1 ({ex.url}.r1)" in out.stdout, out.stdout
+    per_rank = [int(n) for n in re.findall(r"^calls (\d+) \| batches", out.stdout, re.M)]
+    total = int(re.match(r"2 ranks \| calls (\d+)", out.stdout).group(1))
+    assert len(per_rank) == 2 and all(n > 0 for n in per_rank) and sum(per_rank) == total, out.stdout
+    assert out.stdout.count("ranked") == 2  # (the tenant is attached to both ranks)
