@@ -3,8 +3,9 @@
 One queue per unit and op. When a queue is ready depends on the policy (Symbiosis, Table 4):
 - opportunistic (the default): when its oldest call has waited its latency class's wait, when its
   queued tokens reach `max_batch_tokens`, or when no other call can arrive before something runs
-  (the transport says so through `can_grow`: only tenants that called lately may join). Calls batched at one unit owe nothing to each
-  other at the next one, so tenants that left a unit together tend to reach the next together.
+  (the transport says so through `can_grow`: only tenants that called lately may join). Calls
+  batched at one unit owe nothing to each other at the next one, so tenants that left a unit
+  together tend to reach the next together.
 - lockstep: only when every attached tenant has a call in it (or the tokens reach the cap, or
   every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks; or its
   oldest call has waited `lockstep_wait_us`: a tenant whose next input its GPU holds back behind

@@ -132,12 +132,13 @@ def main() -> int:
                 def on_go(_, pids, k=k):
                     ranks = [proc.pid] + children(proc.pid)  # (rank 0 starts the others)
                     for who, pid in [*((f"rank{r}", pid) for r, pid in enumerate(ranks)), ("tenant0", pids[0])]:
+                        spy_path = out / f"s10_{a.model}_x{a.gpus}_{a.tag}_k{k}_{who}_pyspy.txt"
                         try:
-                            spies.append(fleet.py_spy(pid, a.seconds * 0.8, out / f"s10_{a.model}_x{a.gpus}_{a.tag}_k{k}_{who}_pyspy.txt"))
+                            spies.append(fleet.py_spy(pid, a.seconds * 0.8, spy_path))
                         except FileNotFoundError:  # (the row still runs)
                             print("py-spy is not installed: no profile", flush=True)
                             return
-                        spy_paths.append((who, pathlib.Path(spies[-1].args[-1])))
+                        spy_paths.append((who, spy_path))
 
                 try:
                     res, _, peaks = fleet.run_fleet([["--mode", "symbiont", "--url", url, *common(i)] for i in range(k)],

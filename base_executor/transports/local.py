@@ -204,7 +204,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 remote = list(self.remote.values())
             attached = len(tenants) + len(remote)
             ran = False
-            while True:
+            while self.core.scheduler.waiting_tenants():  # (nothing queued: nothing to run, no company to look for)
                 now = time.monotonic()
                 can_grow = not stopping and self._company_until(tenants, remote) > now
                 results = self.core.step(now, can_grow, attached)
