@@ -208,10 +208,10 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("batching: %s, max wait %d us (inference %d us), max batch %d tokens%s",
              sched.policy, sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens,
              ", exact (batch-invariant)" if sched.exact else "")
-    if args.metrics_port:
+    if args.metrics_port and (shard is None or tensor):  # (layer placement: once the ranks' addresses are known)
         from symbiont.base_executor.stats_view import serve_metrics
 
-        serve_metrics(args.metrics_port, server._stats)
+        serve_metrics(args.metrics_port, lambda: [(0, server._stats())])
         log.info("Prometheus metrics on port %d", args.metrics_port)
 
     grpc_servers = []
@@ -253,6 +253,8 @@ def _serve(args: argparse.Namespace) -> int:
             advertised += [shards.advertised_grpc(n, g.port) for n, g in zip(remote, grpc_servers)]
             for rank_urls in shards.exchange_urls(" ".join(advertised)):
                 catalog.shards.add(urls=rank_urls.split())
+            if args.metrics_port and shard.local_rank == 0:  # one endpoint per host: the totals of its ranks
+                _serve_host_metrics(args.metrics_port, shard, catalog, server, log)
             log.info("rank %d serves %d units (%.1f M parameters) on %s", shard.rank, len(table),
                      table.parameter_count() / 1e6, device)
 
@@ -290,6 +292,22 @@ def _serve(args: argparse.Namespace) -> int:
             shards.leave_group()
     log.info("stopped")
     return 1 if lost else 0
+
+
+def _serve_host_metrics(port: int, shard, catalog, server, log: logging.Logger) -> None:
+    """`--metrics-port` of a layer-placed executor, served by each host's first rank: the totals of
+    that host's ranks (read over their local:// addresses at each scrape) and a few figures per rank.
+    A host's ranks are numbered contiguously (as torchrun and `--devices` start them)."""
+    from symbiont.base_executor.stats_view import ranks_reader, serve_metrics
+    from symbiont.proto import urls
+
+    others = {}
+    for rank in range(shard.rank + 1, shard.rank + len(shard.devices)):
+        found = [u for u in catalog.shards[rank].urls if urls.parse(u)[0] == "local"]
+        if found:  # (a rank served over gRPC only is left out of the totals)
+            others[rank] = found[0]
+    serve_metrics(port, ranks_reader(shard.rank, server._stats, others))
+    log.info("Prometheus metrics on port %d: ranks %s of this host", port, ", ".join(map(str, [shard.rank, *others])))
 
 
 def _follow(shard, tp, children, log: logging.Logger) -> "typing.NoReturn":
@@ -432,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "window at which an adapter is merged (unmerged below half of it)")
     s.add_argument("--merge-window-s", type=float, default=2.0, help="--merge auto: how often the choice is made")
     s.add_argument("--merge-max-mb", type=float, default=4096.0, help="--merge auto: the most the merged copies may take")
-    s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client)")
+    s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (needs prometheus-client); "
+                   "sharded under layer placement: on each host's first rank, the totals of that host's ranks")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "

@@ -76,17 +76,54 @@ def rank_urls(url: str, timeout_s: float = 5.0) -> list[str]:
     return found if len(found) > 1 and all(found) else [url]
 
 
+_LARGEST = frozenset({"tenants", "uptime_s", "hosted_adapters", "merge_switch_ms"})
+"""StatsReply fields whose value over ranks is the largest rank's: every tenant and every hosted
+adapter is on every rank. The other numbers are summed (each rank counts its own units' calls)."""
+
+
+def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
+    """The totals of a sharded executor's ranks as one StatsReply: counts summed, each class's waits
+    the slowest rank's (a quantile over ranks cannot be had from theirs), each tenant's row summed
+    over the ranks by its process and name (its placements joined: same-gpu+peer-gpu)."""
+    out = pb.StatsReply()
+    for f in pb.StatsReply.DESCRIPTOR.fields:
+        if f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED:  # (protobuf 6 dropped .label)
+            continue
+        values = [getattr(r, f.name) for r in replies]
+        if f.type == f.TYPE_STRING:
+            setattr(out, f.name, next((v for v in values if v), ""))
+        else:
+            setattr(out, f.name, max(values) if f.name in _LARGEST else sum(values))
+    classes: dict[int, pb.ClassStats] = {}
+    tenants: dict[tuple[int, str], pb.TenantStats] = {}
+    for r in replies:
+        out.units.extend(r.units)
+        for c in r.classes:
+            m = classes.get(c.latency)
+            if m is None:
+                m = classes[c.latency] = out.classes.add(latency=c.latency, batch_calls=[0] * len(c.batch_calls))
+            for name in ("calls", "batches", "tokens", "refused"):
+                setattr(m, name, getattr(m, name) + getattr(c, name))
+            for i, n in enumerate(c.batch_calls):
+                m.batch_calls[i] += n
+            m.wait_p50_us, m.wait_p99_us = max(m.wait_p50_us, c.wait_p50_us), max(m.wait_p99_us, c.wait_p99_us)
+        for t in r.tenant_stats:
+            m = tenants.get((t.pid, t.name))
+            if m is None:
+                m = tenants[(t.pid, t.name)] = out.tenant_stats.add(tenant_id=t.tenant_id, name=t.name, pid=t.pid, placement=t.placement)
+            elif t.placement not in m.placement.split("+"):
+                m.placement += "+" + t.placement
+            for name in ("calls", "tokens", "queued_calls", "mailbox_bytes", "refused"):
+                setattr(m, name, getattr(m, name) + getattr(t, name))
+    return out
+
+
 def sharded_table(now: list[pb.StatsReply], before: list[pb.StatsReply] | None, seconds: float, where: list[str]) -> str:
-    """A sharded executor's table: the totals over its ranks, then each rank's own table (its units'
-    calls, its queues, its GPU's memory; every tenant is attached to every rank)."""
+    """A sharded executor's table: the totals over its ranks (merged), then each rank's own table
+    (its units' calls, its queues, its GPU's memory; every tenant is attached to every rank)."""
     rated = before is not None and seconds > 0
-    calls, batches, tokens = (sum(getattr(r, f) for r in now) for f in ("calls", "batches", "tokens"))
-    total = (f"{len(now)} ranks | calls {calls} | batches {batches} | tokens {tokens} | "
-             f"{calls / max(batches, 1):.2f} calls per batch | GPU {sum(r.gpu_allocated_bytes for r in now) / 2**30:.2f} GiB allocated")
-    if rated:
-        flops = sum(r.flops for r in now) - sum(r.flops for r in before)
-        total += f" | now {(calls - sum(r.calls for r in before)) / seconds:.0f} calls/s, {flops / seconds / 1e12:.2f} TFLOP/s"
-    parts = [total]
+    parts = [f"{len(now)} ranks, their totals (class waits: the slowest rank's)",
+             table(merged(now), merged(before) if rated else None, seconds)]
     for i, (r, u) in enumerate(zip(now, where)):
         parts += [f"\n== rank {i} ({u})", table(r, before[i] if rated else None, seconds)]
     return "\n".join(parts)
@@ -109,8 +146,27 @@ def show(url: str, watch: float = 0.0) -> int:
         before, t0 = now, t1
 
 
+def ranks_reader(own_rank: int, own, others: dict[int, str], timeout_s: float = 2.0):
+    """read() for serve_metrics on one host's ranks of a sharded executor: [(rank, its StatsReply,
+    or None where it did not answer)], this rank's from `own()`, the others' from their local://
+    addresses (`others`: rank -> address)."""
+
+    def read():
+        found = [(own_rank, own())]
+        for rank, url in sorted(others.items()):
+            try:
+                found.append((rank, fetch(url, timeout_s)))
+            except Exception:  # (a rank that is gone or stuck: rank_up 0, the totals without it)
+                found.append((rank, None))
+        return sorted(found, key=lambda f: f[0])
+
+    return read
+
+
 class StatsCollector:
-    """A prometheus_client collector over a function returning the executor's StatsReply."""
+    """A prometheus_client collector over read() -> [(rank, StatsReply or None)]: one executor's
+    figures (a single rank), or the totals of a sharded executor's ranks (merged) with a few
+    figures per rank beside them (symbiont_rank_*)."""
 
     def __init__(self, read):
         self.read = read
@@ -118,7 +174,9 @@ class StatsCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s = self.read()
+        ranks = self.read()
+        answered = [s for _, s in ranks if s is not None]
+        s = answered[0] if len(ranks) == 1 else merged(answered)
 
         def counter(name, doc, value, labels=None, label_values=()):
             m = CounterMetricFamily(f"symbiont_{name}", doc, labels=labels)
@@ -174,10 +232,26 @@ class StatsCollector:
             tenant_mb.add_metric(labels, t.mailbox_bytes)
         yield tenant_calls
         yield tenant_mb
+        if len(ranks) > 1:
+            per_rank = {
+                "up": GaugeMetricFamily("symbiont_rank_up", "1 when the rank answered this scrape", labels=["rank"]),
+                "calls": CounterMetricFamily("symbiont_rank_calls", "calls a rank served", labels=["rank"]),
+                "tokens": CounterMetricFamily("symbiont_rank_tokens", "tokens a rank served", labels=["rank"]),
+                "queued_calls": GaugeMetricFamily("symbiont_rank_queued_calls", "calls in a rank's queues now", labels=["rank"]),
+                "gpu_allocated_bytes": GaugeMetricFamily("symbiont_rank_gpu_allocated_bytes", "a rank's GPU memory, torch's allocator",
+                                                         labels=["rank"]),
+            }
+            for rank, r in ranks:
+                per_rank["up"].add_metric([str(rank)], 0 if r is None else 1)
+                for name, m in per_rank.items():
+                    if r is not None and name != "up":
+                        m.add_metric([str(rank)], getattr(r, name))
+            yield from per_rank.values()
 
 
 def serve_metrics(port: int, read) -> None:
-    """Starts the Prometheus endpoint on `port` (a daemon thread) with the figures `read()` returns."""
+    """Starts the Prometheus endpoint on `port` (a daemon thread) with the figures of read() ->
+    [(rank, StatsReply or None)] (ranks_reader; one executor: [(0, its StatsReply)])."""
     try:
         from prometheus_client import start_http_server
         from prometheus_client.core import CollectorRegistry

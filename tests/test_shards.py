@@ -300,24 +300,40 @@ def test_tensor_placement_with_unfused_members_on_ranks_that_hold_none_of_their_
         _lora_steps_match(name, ex.url, fuse=False)
 
 
-def test_stats_command_of_a_sharded_executor_shows_every_rank():
-    """`base-executor stats URL` on an executor of two ranks: the totals over both, and each rank's
-    own table, both ranks having served the tenant's calls (a rank's stats are its own)."""
+def test_stats_command_and_prometheus_of_a_sharded_executor_show_the_totals_and_every_rank():
+    """`base-executor stats URL` on an executor of two ranks: the totals over both, then each rank's
+    own table, both ranks having served the tenant's calls (a rank's stats are its own); and its
+    `--metrics-port` endpoint (one per host, on the first rank) with the same totals and each rank's."""
     import re
+    import socket
     import subprocess
     import sys
+    import urllib.request
 
     from tests.conftest import REPO
 
-    with running_executor("tiny-llama", "--devices", "cpu,cpu") as ex, connect(ex.url, name="ranked") as conn:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with running_executor("tiny-llama", "--devices", "cpu,cpu", "--metrics-port", str(port)) as ex, \
+            connect(ex.url, name="ranked") as conn:
         with torch.no_grad():
             virtualize(build_builtin("tiny-llama"), conn)(ids(1, 6))
         out = subprocess.run([sys.executable, "-m", "symbiont.base_executor.cli", "stats", ex.url],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("2 ranks | calls "), out.stdout
+    assert out.stdout.startswith("2 ranks, their totals"), out.stdout
     assert f"== rank 0 ({ex.url})" in out.stdout and f"== rank 1 ({ex.url}.r1)" in out.stdout, out.stdout
-    per_rank = [int(n) for n in re.findall(r"^calls (\d+) \| batches", out.stdout, re.M)]
-    total = int(re.match(r"2 ranks \| calls (\d+)", out.stdout).group(1))
+    total, *per_rank = [int(n) for n in re.findall(r"^calls (\d+) \| batches", out.stdout, re.M)]
     assert len(per_rank) == 2 and all(n > 0 for n in per_rank) and sum(per_rank) == total, out.stdout
-    assert out.stdout.count("ranked") == 2  # (the tenant is attached to both ranks)
+    assert out.stdout.count("ranked") == 3  # (the tenant is attached to both ranks: its merged row, then each rank's)
+
+    def metric(line_start):
+        return [float(line.split()[-1]) for line in body.splitlines() if line.startswith(line_start)]
+
+    assert metric("symbiont_calls_total") == [total], body
+    assert metric('symbiont_rank_calls_total{rank="0"}') == [per_rank[0]]
+    assert metric('symbiont_rank_calls_total{rank="1"}') == [per_rank[1]]
+    assert metric("symbiont_rank_up") == [1.0, 1.0]
+    assert metric("symbiont_tenants ") == [1.0]  # (on both ranks: counted once)
