@@ -52,9 +52,9 @@ class Recording(NoiseMask):
         if ref.unit_id != self.unit or op != pb.FORWARD:
             return super().call(ref, x, op, send)
 
-        def spy(v):
+        def spy(v, take):
             self.seen.append((x.detach().reshape(-1, x.shape[-1]).float().clone(), v.detach().reshape(-1, v.shape[-1]).float().clone()))
-            return send(v)
+            return send(v, take)
 
         return super().call(ref, x, op, spy)
 

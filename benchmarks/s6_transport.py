@@ -157,7 +157,7 @@ def main() -> int:
 
                     mask = NoiseMask(scale=1.0, rank=16, effects="executor")
                     ref = SimpleNamespace(unit_id=UNIT, _kind="linear", _d_in=HIDDEN, _d_out=HIDDEN, _dtype=tdtype, transport=t)
-                    call = lambda x, n: mask.call(ref, x, pb.FORWARD, lambda v: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), tdtype, pb.INFERENCE))  # noqa: E731
+                    call = lambda x, n: mask.call(ref, x, pb.FORWARD, lambda v, tk: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), tdtype, pb.INFERENCE, tk))  # noqa: E731
                 row = {}
                 for n in TOKENS:
                     x = torch.randn(n, HIDDEN, dtype=tdtype, device=tenant_device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import threading
 
 import torch
 
@@ -38,6 +39,7 @@ MASKED_KINDS = ("linear", "conv1d")
 # dtype: float32 copies of a big input and reply cost more than the GEMMs (the tenant's masking at
 # 4096 x 2048 bf16 on the 2-core VM: 62 ms with them); below it the casts cost more than they save.
 LOW_NOISE_MIN = 1 << 18
+SCRATCH_MAX_BYTES = 64 << 20  # the largest masked CPU input kept in memory reused between calls
 
 
 @dataclasses.dataclass
@@ -64,6 +66,7 @@ class NoiseMask:
         if self.rank < 1 or self.scale < 0:
             raise ValueError(f"need rank >= 1 and scale >= 0, got rank={self.rank}, scale={self.scale}")
         self._rng: dict = {}  # device -> a generator seeded from the OS's secret randomness
+        self._local = threading.local()  # .scratch: a thread's memory for its CPU calls' masked inputs (_scratch)
         self._units: dict[str, "_UnitNoise"] = {}
         self._members: dict[str, list[str]] = {}  # group unit -> its member units (from the catalog)
 
@@ -107,8 +110,22 @@ class NoiseMask:
         u = self._units[ref.unit_id] = _UnitNoise(device, n, e, m, f)
         return u
 
+    def _scratch(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Memory of rows' shape and dtype for a CPU call's masked input, reused call after call (a
+        fresh tensor of several MiB costs its page faults anew, as much as the masking's GEMMs);
+        None for a GPU call or one over SCRATCH_MAX_BYTES. Per thread: calls of one thread return
+        before its next (Transport.call: the input has been read by then)."""
+        nbytes = rows.numel() * rows.element_size()
+        if rows.device.type != "cpu" or nbytes > SCRATCH_MAX_BYTES:
+            return None
+        kept = getattr(self._local, "scratch", None)
+        if kept is None or kept.dtype != rows.dtype or kept.numel() < rows.numel():
+            kept = self._local.scratch = torch.empty(rows.numel(), dtype=rows.dtype)
+        return kept[: rows.numel()].view(rows.shape)
+
     def call(self, ref, x: torch.Tensor, op: int, send):
-        """`op` of ref's unit on x through send(x) -> y, masked; None when this call is not masked."""
+        """`op` of ref's unit on x, masked, through send(v, take) -> take(the reply to v) (the
+        transport's call: take reads the reply where it lies); None when this call is not masked."""
         if ref._kind not in MASKED_KINDS or op == pb.FORWARD_NO_BIAS or (op == pb.BACKWARD and not self.backward):
             return None
         u = self._unit(ref, x.device)
@@ -116,20 +133,33 @@ class NoiseMask:
         rows = x.reshape(-1, x.shape[-1])
         low = x.dtype != torch.float32 and rows.numel() >= LOW_NOISE_MIN
         # (a float32 reduction over a big bf16 tensor took 16 ms at 4096 x 2048; in its dtype, 1 ms)
-        rms = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
-        rms = rms / rows.numel() ** 0.5
+        norm = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
-        c *= self.scale * rms / self.rank**0.5  # (noise RMS = scale x the input's)
+        c *= norm * (self.scale / (rows.numel() * self.rank) ** 0.5)  # (noise RMS = scale x the input's; one tensor op)
+        scratch = self._scratch(rows)
+        # the reply is (x + c basis) W^T (+ b): take() takes away c (basis W^T), the noise's effect,
+        # reading the reply where the transport has it and writing the result once
         if not low:
-            y = send(torch.addmm(rows.float(), c, basis).to(x.dtype).view(x.shape))  # (no copy in float32)
-            # the reply is (x + c basis) W^T (+ b): take away c (basis W^T), the effect of the noise
-            flat = y.reshape(-1, y.shape[-1]).float()
-            return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
+            if x.dtype == torch.float32:
+                v = torch.addmm(rows, c, basis, out=scratch) if scratch is not None else torch.addmm(rows, c, basis)
+            else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
+                v = torch.addmm(rows.float(), c, basis).to(x.dtype)
+
+            def take(y):
+                flat = y.reshape(-1, y.shape[-1]).float()
+                return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
+
+            return send(v.view(x.shape), take)
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
         # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
         c = c.to(x.dtype)
-        y = send(torch.addmm(rows, c, u.low(basis, x.dtype)).view(x.shape))
-        return torch.addmm(y.reshape(-1, y.shape[-1]), c, u.low(effect, y.dtype), alpha=-1).view(y.shape)
+        n = u.low(basis, x.dtype)
+        v = torch.addmm(rows, c, n, out=scratch) if scratch is not None else torch.addmm(rows, c, n)
+
+        def take_low(y):
+            return torch.addmm(y.reshape(-1, y.shape[-1]), c, u.low(effect, y.dtype), alpha=-1).view(y.shape)
+
+        return send(v.view(x.shape), take_low)
 
 
 @dataclasses.dataclass

@@ -231,7 +231,7 @@ class UnitRef:
         shape = self._out_shape(x.shape, op)
         unit = adapted_unit(self.unit_id, self._adapter)
         if self._mask is not None:
-            y = self._mask.call(self, x, op, lambda v: self.transport.call(unit, op, v, shape, self._dtype, latency))
+            y = self._mask.call(self, x, op, lambda v, tk: self.transport.call(unit, op, v, shape, self._dtype, latency, tk))
             if y is not None:
                 return y if take is None else take(y)
         return self.transport.call(unit, op, x, shape, self._dtype, latency, take)

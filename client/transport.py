@@ -110,7 +110,9 @@ class Transport(abc.ABC):
 
     def call(self, unit: str, op: int, x: torch.Tensor, out_shape: tuple[int, ...], out_dtype: torch.dtype, latency: int, take=None):
         """Runs `op` of `unit` on x at the executor; returns a tensor of out_shape/out_dtype on x's
-        device, or what take(result) makes of it (see _call): one copy less when take copies anyway."""
+        device, or what take(result) makes of it (see _call): one copy less when take copies anyway
+        (take only reads its argument, which may be the transport's memory). Once this returns, x's
+        memory may be reused: the call has read it (a GPU tensor's in its stream's order)."""
         if not isinstance(x, torch.Tensor):
             raise InvalidCallError(f"unit {unit!r} takes a tensor, got {type(x).__name__}")
         if x.dim() == 0:

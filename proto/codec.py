@@ -49,15 +49,29 @@ def view(buffer, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(tuple(shape))
 
 
-def from_bytes(data: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
+def from_bytes(data: bytes, shape, dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
     """A fresh tensor of `shape` and `dtype` from raw bytes (a gRPC payload); ValueError when the
-    byte count is not the shape's."""
+    byte count is not the shape's. copy=False: a tensor over `data` itself, to be read only (one
+    copy and one allocation less, for a caller that copies what it reads anyway)."""
     want = nbytes(shape, dtype)
     if len(data) != want:
         raise ValueError(f"{len(data)} bytes; shape {list(shape)} in {NAME_OF.get(dtype, dtype)} needs {want}")
     if not want:
         return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(tuple(shape))
+    return torch.frombuffer(bytearray(data) if copy else data, dtype=dtype).view(tuple(shape))
+
+
+def _quiet_read_only_views() -> None:
+    """torch warns once per process that a tensor over an immutable buffer (from_bytes(copy=False))
+    could be written: its users only read it, so the one warning is taken here, unseen."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(bytes(1), dtype=torch.uint8)
+
+
+_quiet_read_only_views()
 
 
 GRPC_CHUNK_BYTES = 4 << 20  # the most payload bytes in one gRPC message (the executor's default)

@@ -53,9 +53,9 @@ def test_the_executor_sees_fresh_noise_never_the_input(executor):
     shim = virt.get_submodule(unit)
     sent = []
 
-    def send(v):
+    def send(v, take):
         sent.append(v.clone())
-        return shim.transport.call(unit, pb.FORWARD, v, (*v.shape[:-1], w.shape[0]), torch.float32, pb.INFERENCE)
+        return shim.transport.call(unit, pb.FORWARD, v, (*v.shape[:-1], w.shape[0]), torch.float32, pb.INFERENCE, take)
 
     x = torch.randn(5, w.shape[1])
     ys = [mask.call(shim, x, pb.FORWARD, send) for _ in range(2)]

@@ -66,7 +66,7 @@ def main() -> int:
                     return t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), dtype, pb.INFERENCE)
 
                 def masked():
-                    return mask.call(ref, x, pb.FORWARD, lambda v: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), dtype, pb.INFERENCE))
+                    return mask.call(ref, x, pb.FORWARD, lambda v, tk: t.call(UNIT, pb.FORWARD, v, (n, HIDDEN), dtype, pb.INFERENCE, tk))
 
                 times = {plain: [], masked: []}
                 reps = 200 if n <= 16 or a.device != "cpu" else 30

@@ -229,7 +229,8 @@ class GrpcTransport(Transport):
                 self._requests.put(msg.SerializeToString())
             first, parts = self._reply(call_id, unit, op)
             try:
-                y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype))
+                # (take copies what it reads: it may read the payload where it lies)
+                y = codec.from_bytes(b"".join(parts), first.shape, codec.torch_dtype(first.dtype), copy=take is None)
             except ValueError as e:
                 raise MalformedMessageError(f"{self.url}: the result's {e}") from None
         if y.dtype != out_dtype or y.shape != tuple(out_shape):
