@@ -207,7 +207,14 @@ def main() -> int:
                    "normal: its kernels' blocks go after other clients')")
     p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
                    "the GPU's SMs its kernels may use)")
+    p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
+                   help="how this process's threads wait for its GPU (proto/cuda_ipc.set_host_waits): CUDA's "
+                   "default spins a core while it waits, which 16 processes on 16 cores can make the executor wait for")
     a = p.parse_args()
+    if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
+        from symbiont.proto.cuda_ipc import set_host_waits
+
+        set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
     if a.mps_priority:  # (read when CUDA starts in this process, which is below)
         os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
     if a.mps_threads:

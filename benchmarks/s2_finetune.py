@@ -32,6 +32,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--cuda-waits", default="auto", help="every process's and tenant's host waits for its GPU: "
+                   "auto|spin|yield|blocking (fleet_worker.py)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--device", default="cuda:0")
@@ -53,7 +55,7 @@ def main() -> int:
         s = fleet.run_profiled(workers, a.seconds, names, a.batch * a.seq, out, stem, f"S2 {a.model} K = {k}, {who}", executor)
         timelines[f"{who} k={k}"] = {key: v for key, v in s.items() if key != "results"}
     common = ["--role", "finetune", "--model", a.model, "--device", a.device, "--batch", str(a.batch), "--seq", str(a.seq),
-              "--warmup", str(a.warmup)]
+              "--warmup", str(a.warmup), "--cuda-waits", a.cuda_waits]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
     for k in ks:

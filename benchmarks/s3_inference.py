@@ -32,6 +32,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cuda-waits", default="auto", help="every process's and tenant's host waits for its GPU: "
+                   "auto|spin|yield|blocking (fleet_worker.py)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
@@ -55,7 +57,7 @@ def main() -> int:
         timelines[f"{who} n={n}"] = {key: v for key, v in s.items() if key != "results"}
     mixed = [] if a.mixed == "none" else [int(n) for n in a.mixed.split(",")] if a.mixed else ns
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
-              "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj"]
+              "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj", "--cuda-waits", a.cuda_waits]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
     for n in ns:

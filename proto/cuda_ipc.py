@@ -67,6 +67,8 @@ def _driver():
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
         lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuDevicePrimaryCtxGetState.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_int)]
+        lib.cuDevicePrimaryCtxSetFlags_v2.argtypes = [ctypes.c_int, ctypes.c_uint]
         for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
             fn = getattr(lib, name + "_v2", None) or getattr(lib, name)  # _v2 since CUDA 11.7
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
@@ -80,6 +82,25 @@ def _check(rc: int, what: str) -> None:
         msg = ctypes.c_char_p()
         _driver().cuGetErrorString(rc, ctypes.byref(msg))
         raise RuntimeError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+HOST_WAITS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*
+
+
+def set_host_waits(index: int, mode: str) -> None:
+    """How this process's threads wait for GPU `index` (a synchronize, an .item()): "spin" on a core,
+    "yield" it between polls, "blocking" sleep until the GPU signals, or CUDA's "auto" (spin
+    while the process has no more contexts than the host has cores). Set on the device's primary
+    context, best before this process first uses it; RuntimeError when they did not take."""
+    lib = _driver()
+    _check(lib.cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxSetFlags_v2(dev.value, HOST_WAITS[mode]), f"setting host waits {mode!r}")
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    _check(lib.cuDevicePrimaryCtxGetState(dev.value, ctypes.byref(flags), ctypes.byref(active)), "cuDevicePrimaryCtxGetState")
+    if flags.value & 7 != HOST_WAITS[mode]:
+        raise RuntimeError(f"host waits {mode!r} not in force on GPU {index} (flags {flags.value:#x})")
 
 
 def device_uuid(device: torch.device) -> str:

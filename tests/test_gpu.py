@@ -832,3 +832,24 @@ def test_gpu_tenant_over_grpc_and_a_gpu_executor():
         lref = lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda())
         lvirt = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), connect(url))
         assert_backward_matches(lref, lvirt, x, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "yield", "spin"])
+def test_host_waits_take_in_a_fresh_process(mode):
+    """set_host_waits (the S2/S3 runners' --cuda-waits) in a process whose GPU is not yet in use:
+    the primary context takes the mode, and a tenant of a same-GPU executor still computes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        code = (f"from symbiont.proto.cuda_ipc import set_host_waits; set_host_waits(0, {mode!r})\n"
+                "import torch\nfrom symbiont import virtualize\nfrom symbiont.base_executor.models import build_builtin\n"
+                "ref = build_builtin('tiny-llama').cuda()\n"
+                f"virt = virtualize(build_builtin('tiny-llama').cuda(), {ex.url!r})\n"
+                "x = torch.randint(0, 100, (1, 7), device='cuda')\n"
+                "with torch.no_grad():\n    torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)\n"
+                "torch.cuda.synchronize(); print('ok')\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
