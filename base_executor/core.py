@@ -100,6 +100,7 @@ class ExecutorCore:
         self.tp = None  # a TensorParallel (--placement tensor): each batch runs over every rank
         self.adapters = AdapterRegistry(table, device)
         self.orchestrator = None  # an adapters.MergeOrchestrator (serve --merge auto)
+        self._ids_stream = None  # a GPU executor's stream for checking embedding ids (checked_ids)
 
     def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp is not None:
@@ -145,12 +146,46 @@ class ExecutorCore:
             )
         return unit, (math.prod(shape[:-1]), d_in), shape[:-1] + (d_out,), dtype
 
-    def check_ids(self, unit: Unit, ids: torch.Tensor) -> None:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= unit.in_features):
-            raise CallError(
-                pb.INVALID_ARGUMENT,
-                f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{int(ids.min())}, {int(ids.max())}]",
-            )
+    def checked_ids(self, unit: Unit, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """An embedding call's ids, checked to lie in the unit's rows, as a tensor on this executor's
+        device that the caller cannot rewrite any more (a copy of x unless `owned`); CallError else.
+
+        Ids in host memory are checked on the host, then sent to the GPU without waiting for it. Ids
+        in GPU memory are copied and checked on a stream of their own: reading their bounds waits
+        for that copy alone, not for every tenant's work queued on the data loop's stream (a
+        decoding tenant's every token starts with such a call); the current stream waits for it."""
+        if x.device.type == "cpu":
+            if self.device.type == "cuda":
+                ids = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                ids.copy_(x)
+            else:
+                ids = x if owned else x.clone()
+            self._check_bounds(unit, ids)
+            return ids.to(self.device, non_blocking=True) if self.device.type == "cuda" else ids
+        if self._ids_stream is None:
+            self._ids_stream = torch.cuda.Stream(x.device)
+        side, current = self._ids_stream, torch.cuda.current_stream(x.device)
+        if owned:  # (made on the current stream)
+            side.wait_stream(current)
+            ids = x
+            ids.record_stream(side)
+        with torch.cuda.stream(side):
+            if not owned:  # (a tenant's mailbox whose input is in: nothing on our streams to wait for)
+                ids = torch.empty_like(x)  # (of the side stream's memory: no earlier use of it is still queued)
+                ids.copy_(x)
+                ids.record_stream(current)
+            bounds = torch.stack(torch.aminmax(ids.view(-1))) if ids.numel() else None
+        self._check_bounds(unit, ids, bounds)
+        current.wait_stream(side)
+        return ids
+
+    @staticmethod
+    def _check_bounds(unit: Unit, ids: torch.Tensor, bounds: torch.Tensor | None = None) -> None:
+        if not ids.numel():
+            return
+        low, high = (bounds if bounds is not None else torch.stack(torch.aminmax(ids.view(-1)))).tolist()
+        if low < 0 or high >= unit.in_features:
+            raise CallError(pb.INVALID_ARGUMENT, f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{low}, {high}]")
 
     def merge_stats(self) -> dict:
         """StatsReply's merged-mode fields."""

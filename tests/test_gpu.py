@@ -853,3 +853,26 @@ def test_host_waits_take_in_a_fresh_process(mode):
                 "torch.cuda.synchronize(); print('ok')\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where", ["cuda:0", "cpu"])
+def test_embedding_ids_out_of_range_on_a_gpu_executor(where):
+    """A GPU executor checks a call's ids on a stream of their own (same-GPU tenant) or on the host
+    (CPU tenant): ids beyond the vocabulary or negative get InvalidCallError, good ids the rows."""
+    from symbiont import connect
+    from symbiont.errors import InvalidCallError
+    from symbiont.proto import executor_pb2 as pb
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex, connect(ex.url) as conn:
+        conn.ensure_attached(where)
+        conn.transport.return_early = False  # (a same-GPU call's refusal raises at once, not at the next call)
+        table = build_builtin("tiny-llama").get_input_embeddings().weight.detach().to(where)
+        for bad in ([[1, 256]], [[-1, 3]]):
+            with pytest.raises(InvalidCallError, match=r"\[0, 256\)"):
+                conn.transport.call("model.embed_tokens", pb.FORWARD, torch.tensor(bad, device=where), (1, 2, 64),
+                                    torch.float32, pb.INFERENCE)
+        for n in (1, 5, 300):  # (each served after the refusals, and a prefill's worth)
+            x = torch.randint(0, 256, (1, n), device=where)
+            y = conn.transport.call("model.embed_tokens", pb.FORWARD, x, (1, n, 64), torch.float32, pb.INFERENCE)
+            torch.cuda.synchronize()
+            assert torch.equal(y, table[x])

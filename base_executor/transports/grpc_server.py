@@ -370,7 +370,7 @@ class GrpcServer:
         except (ValueError, RuntimeError) as e:
             raise CallError(pb.INVALID_ARGUMENT, f"payload of {e} (shape {list(req.shape)})") from None
         if unit.kind == "embedding":
-            core.check_ids(unit, x)
+            x = core.checked_ids(unit, x, owned=True)  # (from_bytes and the plane's buffer made x for this call)
         unit, adapter, epoch = core.adapted(t.id, req.adapter, unit)
         return Call(tenant=t.id, call_id=req.call_id, unit=unit, op=req.op, x=x, out_shape=out_shape, latency=req.latency,
                     arrived=0.0, adapter=adapter, adapter_id=req.adapter, merge_epoch=epoch, budget_s=req.budget_us * 1e-6)

@@ -62,16 +62,14 @@ class LocalCalls:
         area = t.area
         x = area.view(req.in_offset, in_shape, dtype)
         out = graphs = None
-        if x.device != self.core.device:
+        if unit.kind == "embedding":  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
+            x = self.core.checked_ids(unit, x)  # (a copy)
+        elif x.device != self.core.device:
             x = x.to(self.core.device, non_blocking=bool(t.areas.pinned))  # a copy, DMA when page-locked
-        elif unit.kind == "embedding":
-            x = x.clone()  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
         else:  # a call run alone writes straight into the output mailbox
             out = area.view(req.out_offset, (in_shape[0], out_shape[-1]), out_dtype)
             if x.is_cuda:  # (a same-GPU tenant's device mailbox)
                 graphs = self._graphs(t.areas, own=False)  # on the data loop's stream, unless _run_waiting moves it
-        if unit.kind == "embedding":
-            self.core.check_ids(unit, x)
         unit, adapter, epoch = self.core.adapted(t.id, req.adapter, unit)
         if epoch:
             key = (MERGED, epoch, req.adapter, key)  # (its graph reads the merged copy's weight)
