@@ -211,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_port and (shard is None or tensor):  # (layer placement: once the ranks' addresses are known)
         from symbiont.base_executor.stats_view import serve_metrics
 
-        serve_metrics(args.metrics_port, lambda: [(0, server._stats())])
+        serve_metrics(args.metrics_port, lambda: [(0, server._stats(), True)])
         log.info("Prometheus metrics on port %d", args.metrics_port)
 
     grpc_servers = []
@@ -297,12 +297,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_host_metrics(port: int, shard, catalog, server, log: logging.Logger) -> None:
     """`--metrics-port` of a layer-placed executor, served by each host's first rank: the totals of
     that host's ranks (read over their local:// addresses at each scrape) and a few figures per rank.
-    A host's ranks are numbered contiguously (as torchrun and `--devices` start them)."""
+    A host's ranks are numbered contiguously (as torchrun and `--devices` start them): torchrun's
+    LOCAL_WORLD_SIZE of them, or one per device of `--devices`."""
     from symbiont.base_executor.stats_view import ranks_reader, serve_metrics
     from symbiont.proto import urls
 
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", len(shard.devices)))
     others = {}
-    for rank in range(shard.rank + 1, shard.rank + len(shard.devices)):
+    for rank in range(shard.rank + 1, min(shard.rank + here, shard.world)):
         found = [u for u in catalog.shards[rank].urls if urls.parse(u)[0] == "local"]
         if found:  # (a rank served over gRPC only is left out of the totals)
             others[rank] = found[0]

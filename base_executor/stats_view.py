@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import time
 
+from google.protobuf.descriptor import FieldDescriptor
+
 from symbiont.base_executor.provider import request
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import urls
 
+_NUMBERS = frozenset({FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT32,
+                      FieldDescriptor.CPPTYPE_UINT64, FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT})
+"""StatsReply's fields that merged() sums or takes the largest of."""
 BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33+")  # calls per batch (ClassStats.batch_calls)
 CLASS_NAMES = {pb.TRAINING: "training", pb.INFERENCE: "inference"}
 
@@ -76,15 +81,17 @@ def rank_urls(url: str, timeout_s: float = 5.0) -> list[str]:
     return found if len(found) > 1 and all(found) else [url]
 
 
-_LARGEST = frozenset({"tenants", "uptime_s", "hosted_adapters", "merge_switch_ms"})
+_LARGEST = frozenset({"tenants", "uptime_s", "hosted_adapters", "merge_switches", "merge_switch_ms"})
 """StatsReply fields whose value over ranks is the largest rank's: every tenant and every hosted
-adapter is on every rank. The other numbers are summed (each rank counts its own units' calls)."""
+adapter is on every rank (and each merge is made on each). The other numbers are summed (each rank
+counts its own units' calls)."""
 
 
 def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
     """The totals of a sharded executor's ranks as one StatsReply: counts summed, each class's waits
     the slowest rank's (a quantile over ranks cannot be had from theirs), each tenant's row summed
-    over the ranks by its process and name (its placements joined: same-gpu+peer-gpu)."""
+    over the ranks by its process (its placements joined: same-gpu+peer-gpu; a remote tenant's rows,
+    which name no process, each as it is)."""
     out = pb.StatsReply()
     for f in pb.StatsReply.DESCRIPTOR.fields:
         if f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED:  # (protobuf 6 dropped .label)
@@ -92,10 +99,10 @@ def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
         values = [getattr(r, f.name) for r in replies]
         if f.type == f.TYPE_STRING:
             setattr(out, f.name, next((v for v in values if v), ""))
-        else:
+        elif f.cpp_type in _NUMBERS:
             setattr(out, f.name, max(values) if f.name in _LARGEST else sum(values))
     classes: dict[int, pb.ClassStats] = {}
-    tenants: dict[tuple[int, str], pb.TenantStats] = {}
+    tenants: dict[int, pb.TenantStats] = {}  # by pid
     for r in replies:
         out.units.extend(r.units)
         for c in r.classes:
@@ -104,13 +111,16 @@ def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
                 m = classes[c.latency] = out.classes.add(latency=c.latency, batch_calls=[0] * len(c.batch_calls))
             for name in ("calls", "batches", "tokens", "refused"):
                 setattr(m, name, getattr(m, name) + getattr(c, name))
+            m.batch_calls.extend([0] * (len(c.batch_calls) - len(m.batch_calls)))
             for i, n in enumerate(c.batch_calls):
                 m.batch_calls[i] += n
             m.wait_p50_us, m.wait_p99_us = max(m.wait_p50_us, c.wait_p50_us), max(m.wait_p99_us, c.wait_p99_us)
         for t in r.tenant_stats:
-            m = tenants.get((t.pid, t.name))
+            m = tenants.get(t.pid) if t.pid else None
             if m is None:
-                m = tenants[(t.pid, t.name)] = out.tenant_stats.add(tenant_id=t.tenant_id, name=t.name, pid=t.pid, placement=t.placement)
+                m = out.tenant_stats.add(tenant_id=t.tenant_id, name=t.name, pid=t.pid, placement=t.placement)
+                if t.pid:
+                    tenants[t.pid] = m
             elif t.placement not in m.placement.split("+"):
                 m.placement += "+" + t.placement
             for name in ("calls", "tokens", "queued_calls", "mailbox_bytes", "refused"):
@@ -148,25 +158,32 @@ def show(url: str, watch: float = 0.0) -> int:
 
 def ranks_reader(own_rank: int, own, others: dict[int, str], timeout_s: float = 2.0):
     """read() for serve_metrics on one host's ranks of a sharded executor: [(rank, its StatsReply,
-    or None where it did not answer)], this rank's from `own()`, the others' from their local://
-    addresses (`others`: rank -> address)."""
+    whether it answered now)], this rank's from `own()`, the others' from their local:// addresses
+    (`others`: rank -> address), asked at once. A rank that does not answer counts with its last
+    answer (None before its first), so the totals, counters to Prometheus, never go down."""
+    import concurrent.futures
+
+    last: dict[int, pb.StatsReply] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(others)), thread_name_prefix="rank-stats")
 
     def read():
-        found = [(own_rank, own())]
-        for rank, url in sorted(others.items()):
+        asked = {rank: pool.submit(fetch, url, timeout_s) for rank, url in others.items()}
+        found = [(own_rank, own(), True)]
+        for rank, future in sorted(asked.items()):
             try:
-                found.append((rank, fetch(url, timeout_s)))
-            except Exception:  # (a rank that is gone or stuck: rank_up 0, the totals without it)
-                found.append((rank, None))
+                last[rank] = future.result()
+                found.append((rank, last[rank], True))
+            except Exception:  # (a rank that is gone or stuck: rank_up 0)
+                found.append((rank, last.get(rank), False))
         return sorted(found, key=lambda f: f[0])
 
     return read
 
 
 class StatsCollector:
-    """A prometheus_client collector over read() -> [(rank, StatsReply or None)]: one executor's
-    figures (a single rank), or the totals of a sharded executor's ranks (merged) with a few
-    figures per rank beside them (symbiont_rank_*)."""
+    """A prometheus_client collector over read() -> [(rank, StatsReply or None, answered now)]: one
+    executor's figures (a single rank), or the totals of a sharded executor's ranks (merged) with a
+    few figures per rank beside them (symbiont_rank_*)."""
 
     def __init__(self, read):
         self.read = read
@@ -175,8 +192,8 @@ class StatsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         ranks = self.read()
-        answered = [s for _, s in ranks if s is not None]
-        s = answered[0] if len(ranks) == 1 else merged(answered)
+        known = [s for _, s, _ in ranks if s is not None]
+        s = known[0] if len(ranks) == 1 else merged(known)
 
         def counter(name, doc, value, labels=None, label_values=()):
             m = CounterMetricFamily(f"symbiont_{name}", doc, labels=labels)
@@ -241,8 +258,8 @@ class StatsCollector:
                 "gpu_allocated_bytes": GaugeMetricFamily("symbiont_rank_gpu_allocated_bytes", "a rank's GPU memory, torch's allocator",
                                                          labels=["rank"]),
             }
-            for rank, r in ranks:
-                per_rank["up"].add_metric([str(rank)], 0 if r is None else 1)
+            for rank, r, answered in ranks:
+                per_rank["up"].add_metric([str(rank)], 1 if answered else 0)
                 for name, m in per_rank.items():
                     if r is not None and name != "up":
                         m.add_metric([str(rank)], getattr(r, name))
@@ -251,7 +268,7 @@ class StatsCollector:
 
 def serve_metrics(port: int, read) -> None:
     """Starts the Prometheus endpoint on `port` (a daemon thread) with the figures of read() ->
-    [(rank, StatsReply or None)] (ranks_reader; one executor: [(0, its StatsReply)])."""
+    [(rank, StatsReply or None, answered now)] (ranks_reader; one executor: [(0, its StatsReply, True)])."""
     try:
         from prometheus_client import start_http_server
         from prometheus_client.core import CollectorRegistry

@@ -211,14 +211,14 @@ def main() -> int:
                    help="how this process's threads wait for its GPU (proto/cuda_ipc.set_host_waits): CUDA's "
                    "default spins a core while it waits, which 16 processes on 16 cores can make the executor wait for")
     a = p.parse_args()
-    if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
-        from symbiont.proto.cuda_ipc import set_host_waits
-
-        set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
     if a.mps_priority:  # (read when CUDA starts in this process, which is below)
         os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
     if a.mps_threads:
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
+    if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
+        from symbiont.proto.cuda_ipc import set_host_waits
+
+        set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
 
     model, conn = build(a)
     targets = a.targets.split(",")

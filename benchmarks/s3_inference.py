@@ -32,8 +32,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--cuda-waits", default="auto", help="every process's and tenant's host waits for its GPU: "
-                   "auto|spin|yield|blocking (fleet_worker.py)")
+    p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
+                   help="how every process and tenant (not the executor) waits for its GPU (fleet_worker.py)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")

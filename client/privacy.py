@@ -114,20 +114,22 @@ class NoiseMask:
         """Memory of rows' shape and dtype for a CPU call's masked input, reused call after call (a
         fresh tensor of several MiB costs its page faults anew, as much as the masking's GEMMs);
         None for a GPU call or one over SCRATCH_MAX_BYTES. Per thread: calls of one thread return
-        before its next (Transport.call: the input has been read by then)."""
+        before its next (Transport.call: the input has been read by then). Each thread that masks
+        keeps its largest such input's memory (up to SCRATCH_MAX_BYTES) while the mask lives."""
         nbytes = rows.numel() * rows.element_size()
         if rows.device.type != "cpu" or nbytes > SCRATCH_MAX_BYTES:
             return None
         kept = getattr(self._local, "scratch", None)
         if kept is None or kept.dtype != rows.dtype or kept.numel() < rows.numel():
-            kept = self._local.scratch = torch.empty(rows.numel(), dtype=rows.dtype)
+            with torch.inference_mode(False):  # (made under inference_mode it could not be written outside it)
+                kept = self._local.scratch = torch.empty(rows.numel(), dtype=rows.dtype)
         return kept[: rows.numel()].view(rows.shape)
 
     def call(self, ref, x: torch.Tensor, op: int, send):
         """`op` of ref's unit on x, masked, through send(v, take) -> take(the reply to v) (the
         transport's call: take reads the reply where it lies); None when this call is not masked."""
-        if ref._kind not in MASKED_KINDS or op == pb.FORWARD_NO_BIAS or (op == pb.BACKWARD and not self.backward):
-            return None
+        if ref._kind not in MASKED_KINDS or op == pb.FORWARD_NO_BIAS or (op == pb.BACKWARD and not self.backward) or not x.numel():
+            return None  # (an empty input, an expert no token chose, carries nothing to hide)
         u = self._unit(ref, x.device)
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
         rows = x.reshape(-1, x.shape[-1])

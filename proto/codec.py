@@ -113,7 +113,8 @@ class ViewCache:
         if v is None:
             if len(self._views) >= self._limit:
                 self._views.clear()
-            v = self._views[key] = self._make(offset, key[1], dtype)
+            with torch.inference_mode(False):  # (a view made under inference_mode could not be written outside it)
+                v = self._views[key] = self._make(offset, key[1], dtype)
         return v
 
     def clear(self) -> None:

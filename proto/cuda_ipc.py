@@ -308,8 +308,10 @@ class _CudaArray:
 
 
 def as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """uint8 [nbytes] tensor over device memory at ptr (the caller keeps the memory alive)."""
-    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    """uint8 [nbytes] tensor over device memory at ptr (the caller keeps the memory alive); never an
+    inference tensor (a mailbox made during a call under torch.inference_mode() is written outside it)."""
+    with torch.inference_mode(False):
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
 
 
 class _Area:

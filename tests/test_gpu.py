@@ -876,3 +876,17 @@ def test_embedding_ids_out_of_range_on_a_gpu_executor(where):
             y = conn.transport.call("model.embed_tokens", pb.FORWARD, x, (1, n, 64), torch.float32, pb.INFERENCE)
             torch.cuda.synchronize()
             assert torch.equal(y, table[x])
+
+
+def test_same_gpu_tenant_trains_after_inference_mode():
+    """A same-GPU tenant's first calls under torch.inference_mode() (its device mailbox mapped
+    there), then a training step: the mailbox's views are never inference tensors."""
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        ref = lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda())
+        virt = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), ex.url)
+        x = ids(2, 9).cuda()
+        with torch.inference_mode():
+            got = virt(x).logits
+        with torch.no_grad():
+            torch.testing.assert_close(got, ref(x).logits, rtol=1e-4, atol=1e-4)
+        assert_backward_matches(ref, virt, x, rtol=1e-4)

@@ -47,6 +47,18 @@ def test_lora_gradients_match(executor_for, name, order):
     assert_sgd_steps_match(ref, virt, ids(2, 10, seed=5))  # (the second step checks gradients after an update)
 
 
+def test_training_after_a_first_pass_under_inference_mode(executor):
+    """A tenant whose first calls run under torch.inference_mode() (its mailbox and the views of it
+    made there) trains afterwards: the views are never inference tensors."""
+    ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)
+    x = ids(2, 9)
+    with torch.inference_mode():
+        got = virt(x).logits
+    with torch.no_grad():
+        assert torch.equal(got, ref(x).logits)
+    assert_backward_matches(ref, virt, x)
+
+
 def test_skeleton_model_matches(executor_for):
     """connect().model() builds the tenant's model from the executor alone."""
     ex = executor_for("tiny-llama")

@@ -42,6 +42,27 @@ def test_masked_tenant_computes_the_unsplit_model(executor, effects, scale):
         assert rel(got[name], want[name]) < tol, name
 
 
+def test_masked_training_after_inference_mode_and_empty_inputs(executor):
+    """A masked tenant that generates under torch.inference_mode() and then trains (the memory its
+    masked inputs are written into, made in the first, is written in the second), and an empty
+    input (an expert no token chose) passes through unmasked."""
+    ref = build_builtin("tiny-llama")
+    x = ids(2, 11)
+    mask = NoiseMask(scale=1.0, rank=8, weights=ref.state_dict())
+    lref, lvirt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url, mask=mask)
+    with torch.inference_mode():
+        assert rel(lvirt(x).logits, lref(x).logits) < 5e-6
+    for m in (lref, lvirt):
+        m(input_ids=x, labels=x).loss.backward()
+    want, got = lora_grads(lref), lora_grads(lvirt)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert rel(got[name], want[name]) < 5e-6, name
+    q = lvirt.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer")
+    with torch.no_grad():
+        assert q(torch.empty(0, 64)).shape == (0, q._d_out)
+
+
 def test_the_executor_sees_fresh_noise_never_the_input(executor):
     """Each call's input as it is sent: noise of the asked RMS, in the unit's noise basis, new
     for every call of the same input; the reply, once the effect is removed, is the unit's."""
