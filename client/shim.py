@@ -211,6 +211,12 @@ class UnitRef:
 
     def _check(self, x: torch.Tensor) -> None:
         if x.dtype != self._dtype:
+            if torch.is_autocast_enabled(x.device.type):  # (where the unsplit module would cast, not fail)
+                raise TypeError(
+                    f"{self.unit_id}: input dtype {x.dtype} under torch.autocast, and the executor serves {self._dtype}: "
+                    f"a virtualized model runs in the served dtype; serve the executor in {x.dtype} (--dtype) and build "
+                    "the model in it (connect(url).model(...) does), or leave autocast off"
+                )
             raise TypeError(
                 f"{self.unit_id}: input dtype {x.dtype} does not match the served weight's dtype {self._dtype} "
                 "(the unsplit module would fail the same way); cast the input or load the model in the served dtype"

@@ -366,6 +366,20 @@ def test_malformed_control_message(ex):
 # ---- identity: before attach, after detach, someone else's id ------------------------------
 
 
+def test_autocast_to_another_dtype_than_the_served_one_is_refused_clearly(ex):
+    """Under torch.autocast the unsplit model would cast to bfloat16; the virtualized model runs in
+    the served dtype, and says so (TypeError naming autocast), never computing in a dtype it was
+    not asked for."""
+    from symbiont import virtualize
+
+    virt = virtualize(build_builtin(MODEL), ex.url)
+    x = torch.randint(0, 256, (1, 5))
+    with pytest.raises(TypeError, match="under torch.autocast"), torch.autocast("cpu", dtype=torch.bfloat16):
+        virt(x)
+    with torch.no_grad():  # (and outside autocast it serves as before)
+        assert torch.equal(virt(x).logits, build_builtin(MODEL)(x).logits)
+
+
 def test_call_before_attach(ex, observer):
     tenants = stats(observer).tenants
     with connect(ex.url, name="not attached") as conn:
