@@ -9,13 +9,16 @@ members' output gradients side by side (zeros for a member whose output went unu
 runs a node once, when all its outputs' gradients are in.
 
 Fusion never changes what a member returns, only how many calls it takes: a member called with
-another input makes a fresh group call, and a group whose kept outputs keep going unused (its
+another input makes a fresh group call (what a group call keeps is its thread's: threads sharing a
+model fuse each their own calls), and a group whose kept outputs keep going unused (its
 members read different inputs) stops fusing and calls per unit. While `torch.compile` traces the
 members' parent module (q/k/v's attention, gate/up's MLP block), the group call is the custom op
 (client/shim.py) and the kept outputs live only until that forward returns (FusionScope):
 siblings fed the same traced tensor share one call in the graph, and no state outlives it.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -41,10 +44,7 @@ class FusedGroup(UnitRef):
             raise ValueError(f"group {unit.id!r} ({self._d_in} -> {self._d_out}) does not match its members' widths {self.sizes}")
         self.enabled = True
         self._adapter = next((m._adapter for m in members if m._adapter), 0)  # (the executor adds each adapted member's share)
-        self._x: torch.Tensor | None = None  # the input of the last group call
-        self._state = None  # _state(x) then: a sibling takes a kept output only if it is unchanged
-        self._kept: dict[int, torch.Tensor] = {}  # member index -> its output from that call
-        self._wasted = 0  # group calls in a row whose outputs were not all taken
+        self._local = threading.local()  # .last: this thread's _Last (threads sharing a model fuse each its own calls)
         self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
         self._scope_open = False  # while torch.compile traces the members' parent's forward (FusionScope)
         self._register()
@@ -63,24 +63,27 @@ class FusedGroup(UnitRef):
             return None
         if tracing():
             return self._traced(member, x)
-        if member in self._kept and self._x is x and self._state == _state(x):
-            y = self._kept.pop(member)
-            if not self._kept:
-                self._x, self._wasted = None, 0
+        last = getattr(self._local, "last", None)
+        if last is None:
+            last = self._local.last = _Last()
+        if member in last.kept and last.x is x and last.state == _state(x):
+            y = last.kept.pop(member)
+            if not last.kept:
+                last.x, last.wasted = None, 0
             return y
-        if self._kept:  # outputs of the last call that no member took
-            self._kept.clear()
-            self._x = None
-            self._wasted += 1
-            if self._wasted >= WASTE_LIMIT:
+        if last.kept:  # outputs of the last call that no member took
+            last.kept.clear()
+            last.x = None
+            last.wasted += 1
+            if last.wasted >= WASTE_LIMIT:
                 self.enabled = False
                 return None
         if records(x):
             ys = _GroupCall.apply(x, self._shim_id)  # eager only: fusion is off while tracing
         else:  # nothing for autograd to record
             ys = _split(x, self._shim_id)
-        self._kept = {i: y for i, y in enumerate(ys) if i != member}
-        self._x, self._state = x, _state(x)
+        last.kept = {i: y for i, y in enumerate(ys) if i != member}
+        last.x, last.state = x, _state(x)
         return ys[member]
 
     def _traced(self, member: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -97,6 +100,17 @@ class FusedGroup(UnitRef):
         ys = unit_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
         self._traced_kept = (x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
         return ys[member].contiguous()
+
+
+class _Last:
+    """One thread's last group call: its input, the input's _state then (a sibling takes a kept
+    output only if it is unchanged), the outputs no member has taken yet (member index -> output),
+    and how many group calls in a row left some output untaken."""
+
+    __slots__ = ("x", "state", "kept", "wasted")
+
+    def __init__(self):
+        self.x, self.state, self.kept, self.wasted = None, None, {}, 0
 
 
 class FusionScope:

@@ -358,3 +358,66 @@ def test_outputs_are_separate_tensors(executor):
     with torch.no_grad():
         q, k = virt.model.layers[0].self_attn.q_proj(x), virt.model.layers[0].self_attn.k_proj(x)
     assert q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() and q.is_contiguous() and k.is_contiguous()
+
+
+def test_siblings_called_in_two_threads_by_turns_fuse_each_threads_own_calls(executor):
+    """Two threads calling q, k, v of one attention by turns (a, b, a, b, ...) with inputs of their
+    own: each thread's siblings take the outputs of its own group call (2 calls in all), and each
+    result is its input's. (With one record for all threads, thread b's call replaced thread a's
+    kept outputs: a's next sibling called again, or, in a race, took b's.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ref = build_builtin("tiny-llama").model.layers[0].self_attn
+    attn = virtualize(build_builtin("tiny-llama"), executor.url).model.layers[0].self_attn
+    inputs = {"a": torch.randn(2, 64), "b": torch.randn(3, 64)}
+    pools = {who: ThreadPoolExecutor(1) for who in inputs}
+    try:
+        with torch.no_grad(), CallCount(executor.url) as count:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                for who, x in inputs.items():
+                    got = pools[who].submit(lambda: getattr(attn, name)(x)).result()
+                    assert torch.equal(got, getattr(ref, name)(x)), (who, name)
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    assert count.of(QKV) == 2 and count.members() == 0, count.calls
+
+
+def test_threads_sharing_one_model(executor):
+    """Threads calling one virtualized model at once (a server's workers): each gets its own
+    results, fused groups keep each thread's outputs apart (they were shared: a sibling could take
+    another thread's output, or find it gone), and generate agrees with the single-threaded run."""
+    import threading
+
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    xs = [ids(1, 5 + i, seed=i) for i in range(6)]
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = [virt(x).logits for x in xs]
+    tokens = [virt.generate(x, **kw) for x in xs]
+    failures = []
+
+    def work(i):
+        try:
+            for n in range(80):
+                with torch.no_grad():
+                    if not torch.equal(virt(xs[i]).logits, want[i]):
+                        failures.append((i, n, "logits"))
+            if not torch.equal(virt.generate(xs[i], **kw), tokens[i]):
+                failures.append((i, "generate"))
+        except Exception as e:  # (a KeyError from a sibling whose kept output another thread took)
+            failures.append((i, repr(e)))
+
+    import sys
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (threads switch often: races show)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures[:5]
