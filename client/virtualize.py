@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from typing import Callable
 
 import torch
@@ -18,7 +19,7 @@ from symbiont.client.errors import ModelMismatchError
 from symbiont.client.experts import make_experts_shim
 from symbiont.client.fusion import fuse_siblings
 from symbiont.client.shim import (
-    VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
+    RemoteWeight, VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
 )
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec, patches
@@ -122,6 +123,35 @@ def _hosted_adapter(conn, name: str, units: dict, mask) -> pb.AdapterInfo:
     if missing:
         raise ModelMismatchError(f"hosted adapter {name!r} adapts {missing[0]!r}, which is not a linear unit of this model")
     return info
+
+
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the transformers model it wraps
+
+
+class ServedWeights:
+    """The names of the served units' placeholder weights under the module this is set on, as
+    DistributedDataParallel reads them (`module._ddp_params_and_buffers_to_ignore`, when DDP wraps
+    it): their values live in the executor, so DDP must not broadcast them at start (it reads
+    every other parameter's values). The names are made when read, after any PEFT wrapping (a
+    LoRA Linear's weight becomes `...base_layer.weight`), and also under PEFT_PREFIX: a PeftModel
+    made after virtualize answers the attribute with its base model's."""
+
+    def __init__(self, module: nn.Module, also=()):
+        self._module = weakref.ref(module)
+        self._also = list(also)  # names someone had set there before
+
+    def __iter__(self):
+        module = self._module()
+        found = [] if module is None else [
+            n for items in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+            for n, t in items if isinstance(t, RemoteWeight)]
+        return iter([*self._also, *found, *(PEFT_PREFIX + n for n in found)])
+
+
+def _mark_served_weights(module: nn.Module) -> None:
+    """Lets DistributedDataParallel wrap `module` (ServedWeights)."""
+    before = module.__dict__.get("_ddp_params_and_buffers_to_ignore", ())
+    module._ddp_params_and_buffers_to_ignore = ServedWeights(module, () if isinstance(before, ServedWeights) else before)
 
 
 def virtualize(
@@ -245,6 +275,8 @@ def virtualize(
             ref._mask = mask
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transports))
+    for m in {id(root): root, id(model): model}.values():
+        _mark_served_weights(m)
     del plan, shims
     gc.collect()
     return model

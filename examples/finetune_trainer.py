@@ -100,7 +100,7 @@ def finetune(url: str, steps: int, out_dir: str) -> None:
                       data_collator=default_data_collator)
     t0 = time.monotonic()
     result = trainer.train()
-    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h] or [result.training_loss]  # (fewer steps than logging_steps)
     print(f"trained {steps} steps in {time.monotonic() - t0:.0f} s: loss {losses[0]:.3f} at first, {losses[-1]:.3f} at the end"
           f" (mean {result.training_loss:.3f})", flush=True)
 
