@@ -21,6 +21,9 @@ from symbiont.proto import executor_pb2 as pb
 class Connection:
     """One tenant identity at one executor. Attaches on first use; close() detaches."""
 
+    def __deepcopy__(self, memo):
+        return self  # (a copied model calls over the same connection: one tenant)
+
     def __init__(
         self, url: str, *, name: str | None = None, latency: int = pb.TRAINING, mailbox_mb: int = 0, spin_us: int | None = None,
         token: str | None = None, tls_dir: str | None = None, tenant: str | None = None, reconnect_s: float | None = None,

@@ -70,6 +70,9 @@ class NoiseMask:
         self._units: dict[str, "_UnitNoise"] = {}
         self._members: dict[str, list[str]] = {}  # group unit -> its member units (from the catalog)
 
+    def __deepcopy__(self, memo):
+        return self  # (a copied model masks with the same secrets)
+
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._rng.get(device)
         if g is None:

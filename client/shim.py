@@ -10,8 +10,10 @@ read one input (q/k/v, gate/up) may share one call: see client/fusion.py.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
+import threading
 import warnings
 import weakref
 
@@ -35,6 +37,11 @@ class RemoteWeight(torch.Tensor):
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def __deepcopy__(self, memo):
+        """A copy of a virtualized model (copy.deepcopy) holds placeholders of the same units."""
+        copied = memo[id(self)] = RemoteWeight(self.shape, self.dtype, self.device, self.unit, self.url)
+        return copied
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -205,6 +212,17 @@ class UnitRef:
     def _register(self) -> None:
         self._shim_id = next(_IDS)
         _SHIMS[self._shim_id] = self
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of a virtualized model: each copied shim (and fused group) is its own,
+        registered anew, with fresh per-thread state; it calls the same units over the same
+        connection (Transport.__deepcopy__), and the copy's adapters are its own."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = threading.local() if isinstance(value, threading.local) else copy.deepcopy(value, memo)
+        new._register()
+        return new
 
     def _out_dtype(self) -> torch.dtype:
         return self._dtype

@@ -26,6 +26,9 @@ def adapted_unit(unit: str, adapter: int) -> str:
 
 
 class Transport(abc.ABC):
+    def __deepcopy__(self, memo):
+        return self  # (a copied model calls over the same connection: one tenant)
+
     def __init__(self, url: str):
         self.url = url
         self.tenant_id = 0

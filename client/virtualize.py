@@ -140,6 +140,10 @@ class ServedWeights:
         self._module = weakref.ref(module)
         self._also = list(also)  # names someone had set there before
 
+    def __deepcopy__(self, memo):  # (a copied model's names are its own; it is in memo by now)
+        module = self._module()
+        return ServedWeights(memo.get(id(module), module), self._also)
+
     def __iter__(self):
         module = self._module()
         found = [] if module is None else [

@@ -59,6 +59,27 @@ def test_training_after_a_first_pass_under_inference_mode(executor):
     assert_backward_matches(ref, virt, x)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_deep_copy_is_a_model_of_its_own(executor, fuse):
+    """copy.deepcopy of a virtualized LoRA model (a reference model, an EMA copy): it computes the
+    same, its adapters train apart from the original's, and it goes on when the original is gone."""
+    import copy
+    import gc
+
+    ref = lora_model("tiny-llama")
+    virt = virtualize(lora_model("tiny-llama"), executor.url, fuse=fuse)
+    twin = copy.deepcopy(virt)
+    x = ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(twin(x).logits, ref(x).logits) and torch.equal(virt(x).logits, ref(x).logits)
+    twin(input_ids=x, labels=x).loss.backward()
+    assert all(p.grad is None for p in virt.parameters()) and all(g.abs().sum() > 0 for g in lora_grads(twin).values())
+    del virt
+    gc.collect()
+    twin.zero_grad(set_to_none=True)
+    assert_backward_matches(ref, twin, x)
+
+
 def test_skeleton_model_matches(executor_for):
     """connect().model() builds the tenant's model from the executor alone."""
     ex = executor_for("tiny-llama")
