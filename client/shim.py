@@ -216,7 +216,16 @@ class UnitRef:
     def __deepcopy__(self, memo):
         """copy.deepcopy of a virtualized model: each copied shim (and fused group) is its own,
         registered anew, with fresh per-thread state; it calls the same units over the same
-        connection (Transport.__deepcopy__), and the copy's adapters are its own."""
+        connection (Transport.__deepcopy__), and the copy's adapters are its own. A served module
+        copied on its own is refused: PEFT's modules_to_save copies a module to train the copy's
+        weights, which would silently stay the executor's, untrained."""
+        if not memo and isinstance(self, nn.Module):
+            raise RuntimeError(
+                f"{self.unit_id!r} is served by the base executor at {self.transport.url}: a copy of it alone (PEFT's "
+                "modules_to_save makes one, to train its weights) would hold no weights to train. Apply get_peft_model "
+                "before virtualize (the trainable copy then keeps its weights in this process), or leave it out of "
+                "modules_to_save"
+            )
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for key, value in self.__dict__.items():

@@ -80,6 +80,18 @@ def test_a_deep_copy_is_a_model_of_its_own(executor, fuse):
     assert_backward_matches(ref, twin, x)
 
 
+def test_modules_to_save_after_virtualize_is_refused_clearly(executor):
+    """PEFT's modules_to_save copies a served module to train the copy: after virtualize the copy
+    would hold no weights (its gradients silently None), so copying a served module alone raises,
+    naming the order that works (get_peft_model first: test_other_peft_methods_after_get_peft_model)."""
+    import peft
+
+    virt = virtualize(build_builtin("tiny-llama"), executor.url)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(RuntimeError, match="get_peft_model before virtualize"):
+        peft.get_peft_model(virt, config)
+
+
 def test_skeleton_model_matches(executor_for):
     """connect().model() builds the tenant's model from the executor alone."""
     ex = executor_for("tiny-llama")
