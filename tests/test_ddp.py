@@ -31,20 +31,31 @@ def _build(flow: str, url: str):
     return model
 
 
-def _worker(rank: int, world: int, port: int, url: str, flow: str, errors) -> None:
+def _worker(rank: int, world: int, port: int, url: str, flow: str, errors, gpus: bool = False) -> None:
     import os
 
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if gpus else "gloo", rank=rank, world_size=world)
     try:
-        x = ids(2, 7, seed=rank)  # each rank its own batch: DDP averages the gradients
-        got, want = _build(flow, url), lora_model("tiny-llama")
+        device = torch.device("cuda", rank) if gpus else torch.device("cpu")
+        if gpus:
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_tf32 = False
+        x = ids(2, 7, seed=rank).to(device)  # each rank its own batch: DDP averages the gradients
+        if gpus:  # (a tenant on each GPU: the executor's own, and a peer)
+            from symbiont import virtualize
+
+            got = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").to(device)), url)
+        else:
+            got = _build(flow, url)
+        want = lora_model("tiny-llama", base=build_builtin("tiny-llama").to(device))
         for m in (want, got):
-            DDP(m)(input_ids=x, labels=x).loss.backward()
-        assert_grads_close(lora_grads(want), lora_grads(got), rtol=1e-5)
+            DDP(m, device_ids=[rank] if gpus else None)(input_ids=x, labels=x).loss.backward()
+        assert_grads_close(lora_grads(want), lora_grads(got), rtol=1e-4 if gpus else 1e-5)
         assert any(g.abs().sum() > 0 for g in lora_grads(got).values())
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}"[:2000])
@@ -65,6 +76,27 @@ def test_ddp_over_two_tenants_averages_the_unsplit_gradients(executor, flow):
         while not errors.empty():
             messages.append(errors.get())
         pytest.fail("\n".join(messages) or "a rank failed")
+
+
+@pytest.mark.gpu
+def test_ddp_over_nccl_with_a_tenant_on_each_of_two_gpus():
+    """DDP over NCCL, rank i on cuda:i, the executor on cuda:0: a same-GPU tenant and a peer-GPU
+    tenant, their averaged adapter gradients as DDP over the unsplit models' (float32, TF32 off)."""
+    import torch
+
+    from tests.conftest import running_executor
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    errors = mp.get_context("spawn").SimpleQueue()
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        try:
+            mp.spawn(_worker, args=(2, _free_port(), ex.url, "", errors, True), nprocs=2)
+        except Exception:
+            messages = []
+            while not errors.empty():
+                messages.append(errors.get())
+            pytest.fail("\n".join(messages) or "a rank failed")
 
 
 def test_the_names_ddp_skips_are_the_served_placeholders(executor):
