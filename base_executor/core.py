@@ -174,13 +174,19 @@ class ExecutorCore:
                 ids = torch.empty_like(x)  # (of the side stream's memory: no earlier use of it is still queued)
                 ids.copy_(x)
                 ids.record_stream(current)
-            bounds = torch.stack(torch.aminmax(ids.view(-1))) if ids.numel() else None
+            bounds = torch.empty(2, dtype=ids.dtype, pin_memory=True)
+            if ids.numel():  # (read on the side stream, behind the copy: a read on another stream could come first)
+                bounds.copy_(torch.stack(torch.aminmax(ids.view(-1))), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()  # (this stream's work alone)
         self._check_bounds(unit, ids, bounds)
         current.wait_stream(side)
         return ids
 
     @staticmethod
     def _check_bounds(unit: Unit, ids: torch.Tensor, bounds: torch.Tensor | None = None) -> None:
+        """bounds: [lowest, highest] of the ids, in host memory (else read from ids, on the host)."""
         if not ids.numel():
             return
         low, high = (bounds if bounds is not None else torch.stack(torch.aminmax(ids.view(-1)))).tolist()

@@ -17,10 +17,10 @@ from symbiont.client.errors import (
     UnknownUnitError,
 )
 from symbiont.client.shim import RemoteWeight, VirtLayer
-from symbiont.client.virtualize import virtualize
+from symbiont.client.virtualize import served_weight_names, virtualize
 
 __all__ = [
-    "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
+    "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "served_weight_names", "VirtLayer", "RemoteWeight", "SymbiontError", "InvalidCallError",
     "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError", "NotAttachedError",
     "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
     "AuthenticationError", "OverBudgetError",

@@ -39,8 +39,10 @@ class RemoteWeight(torch.Tensor):
         pass
 
     def __deepcopy__(self, memo):
-        """A copy of a virtualized model (copy.deepcopy) holds placeholders of the same units."""
+        """A copy of a virtualized model (copy.deepcopy) holds placeholders of the same units (a
+        Parameter's copy is a Parameter: its attributes are copied too)."""
         copied = memo[id(self)] = RemoteWeight(self.shape, self.dtype, self.device, self.unit, self.url)
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return copied
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -216,20 +218,26 @@ class UnitRef:
     def __deepcopy__(self, memo):
         """copy.deepcopy of a virtualized model: each copied shim (and fused group) is its own,
         registered anew, with fresh per-thread state; it calls the same units over the same
-        connection (Transport.__deepcopy__), and the copy's adapters are its own. A served module
-        copied on its own is refused: PEFT's modules_to_save copies a module to train the copy's
-        weights, which would silently stay the executor's, untrained."""
-        if not memo and isinstance(self, nn.Module):
+        connection (Transport.__deepcopy__), and the copy's adapters are its own. A copy of a part of
+        the model without the whole (the model virtualize was given) is refused: PEFT's
+        modules_to_save copies a module to train the copy's weights, which would silently stay the
+        executor's, untrained."""
+        whole = self.__dict__.get("_virtual_root")
+        root = whole() if whole is not None else None
+        if root is not None and id(root) not in memo and isinstance(self, nn.Module):
             raise RuntimeError(
-                f"{self.unit_id!r} is served by the base executor at {self.transport.url}: a copy of it alone (PEFT's "
-                "modules_to_save makes one, to train its weights) would hold no weights to train. Apply get_peft_model "
-                "before virtualize (the trainable copy then keeps its weights in this process), or leave it out of "
-                "modules_to_save"
+                f"{self.unit_id!r} is served by the base executor at {self.transport.url}: a copy of a module that holds "
+                "it, without the whole model (PEFT's modules_to_save makes one, to train its weights), would hold no "
+                "weights to train. Apply get_peft_model before virtualize (the trainable copy then keeps its weights "
+                "in this process), or leave such modules out of modules_to_save"
             )
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = threading.local() if isinstance(value, threading.local) else copy.deepcopy(value, memo)
+            if key == "_virtual_root":
+                new.__dict__[key] = weakref.ref(memo[id(root)]) if root is not None and id(root) in memo else value
+            else:
+                new.__dict__[key] = threading.local() if isinstance(value, threading.local) else copy.deepcopy(value, memo)
         new._register()
         return new
 

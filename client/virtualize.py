@@ -19,7 +19,7 @@ from symbiont.client.errors import ModelMismatchError
 from symbiont.client.experts import make_experts_shim
 from symbiont.client.fusion import fuse_siblings
 from symbiont.client.shim import (
-    RemoteWeight, VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
+    RemoteWeight, UnitRef, VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
 )
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec, patches
@@ -125,7 +125,17 @@ def _hosted_adapter(conn, name: str, units: dict, mask) -> pb.AdapterInfo:
     return info
 
 
-PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the transformers model it wraps
+WRAPPED_AS = ("base_model.model.", "base_model.", "_orig_mod.", "_orig_mod.base_model.model.")
+"""Where the usual wrappers keep a model: PEFT's PeftModel (LoRA and the like; prompt learning), and
+torch.compile's OptimizedModule, alone or around a PeftModel."""
+
+
+def served_weight_names(module: nn.Module) -> list[str]:
+    """The names of the placeholder weights (units the executor serves) under `module`, every name
+    of each (tied weights too): for a wrapper of your own, give them to
+    `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, names)`."""
+    return [n for items in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+            for n, t in items if isinstance(t, RemoteWeight)]
 
 
 class ServedWeights:
@@ -133,8 +143,9 @@ class ServedWeights:
     DistributedDataParallel reads them (`module._ddp_params_and_buffers_to_ignore`, when DDP wraps
     it): their values live in the executor, so DDP must not broadcast them at start (it reads
     every other parameter's values). The names are made when read, after any PEFT wrapping (a
-    LoRA Linear's weight becomes `...base_layer.weight`), and also under PEFT_PREFIX: a PeftModel
-    made after virtualize answers the attribute with its base model's."""
+    LoRA Linear's weight becomes `...base_layer.weight`), and also under each prefix of WRAPPED_AS:
+    a PeftModel made after virtualize (or torch.compile's wrapper) answers the attribute with the
+    model's. Names no parameter has cost DDP nothing."""
 
     def __init__(self, module: nn.Module, also=()):
         self._module = weakref.ref(module)
@@ -146,10 +157,15 @@ class ServedWeights:
 
     def __iter__(self):
         module = self._module()
-        found = [] if module is None else [
-            n for items in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
-            for n, t in items if isinstance(t, RemoteWeight)]
-        return iter([*self._also, *found, *(PEFT_PREFIX + n for n in found)])
+        found = [] if module is None else served_weight_names(module)
+        names = [*self._also, *found, *(prefix + n for prefix in WRAPPED_AS for n in found)]
+        try:
+            embeddings = module.get_input_embeddings() if module is not None and hasattr(module, "get_input_embeddings") else None
+        except (NotImplementedError, AttributeError):  # (a model class without the accessor)
+            embeddings = None
+        if isinstance(getattr(embeddings, "weight", None), RemoteWeight):  # (PEFT's prompt learning holds it as word_embeddings)
+            names += ["word_embeddings.weight", "_orig_mod.word_embeddings.weight"]
+        return iter(names)
 
 
 def _mark_served_weights(module: nn.Module) -> None:
@@ -281,6 +297,9 @@ def virtualize(
     root.register_forward_hook(_confirming(conn.transports))
     for m in {id(root): root, id(model): model}.values():
         _mark_served_weights(m)
+    for m in root.modules():  # (a copy of a part of the model without the whole is refused: UnitRef.__deepcopy__)
+        if isinstance(m, UnitRef):
+            m._virtual_root = weakref.ref(root)
     del plan, shims
     gc.collect()
     return model

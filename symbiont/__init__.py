@@ -15,7 +15,7 @@ if not (_Path(__file__).resolve().parent / "client").is_dir() and (_root / "clie
     __path__.append(str(_root))  # noqa: F821 - a package's __path__
 
 _EXPORTS = (
-    "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "VirtLayer", "RemoteWeight", "SymbiontError",
+    "Connection", "connect", "parameters_on_meta", "wait_for_executor", "virtualize", "served_weight_names", "VirtLayer", "RemoteWeight", "SymbiontError",
     "InvalidCallError", "UnknownUnitError", "ShapeMismatchError", "DTypeMismatchError", "ResourceExhaustedError", "RetryLaterError",
     "NotAttachedError", "MalformedMessageError", "ModelMismatchError", "ExecutorUnavailableError", "InternalError",
     "AuthenticationError",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from symbiont.base_executor.models import build_builtin
@@ -100,16 +101,24 @@ def test_ddp_over_nccl_with_a_tenant_on_each_of_two_gpus():
 
 
 def test_the_names_ddp_skips_are_the_served_placeholders(executor):
-    """What DDP reads from the model: every placeholder, by each of its names (tied weights too,
-    and under PEFT's base_model.model. prefix), and no parameter whose values are here."""
-    from symbiont import virtualize
+    """What DDP reads from the model: every placeholder, by each of its names (tied weights too),
+    also through the wrappers made after virtualize (a PeftModel, prompt tuning's too, and
+    torch.compile's), and no parameter whose values are here; served_weight_names for others."""
+    import peft
+
+    from symbiont import served_weight_names, virtualize
     from symbiont.client.shim import RemoteWeight
 
     model = virtualize(build_builtin("tiny-llama"), executor.url)
-    skipped = set(model._ddp_params_and_buffers_to_ignore)
     served = {n for n, p in model.named_parameters(remove_duplicate=False) if isinstance(p, RemoteWeight)}
-    assert served and served <= skipped and {"base_model.model." + n for n in served} <= skipped
-    assert not skipped & {n for n, p in model.named_parameters() if not isinstance(p, RemoteWeight)}
+    assert served and set(served_weight_names(model)) == served
+    prompt = peft.get_peft_model(virtualize(build_builtin("tiny-llama"), executor.url),
+                                 peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    for wrapper in (model, lora_model("tiny-llama", base=model), prompt, torch.compile(model)):
+        skipped = set(wrapper._ddp_params_and_buffers_to_ignore)
+        names = dict(wrapper.named_parameters(remove_duplicate=False))
+        assert {n for n, p in names.items() if isinstance(p, RemoteWeight)} <= skipped, type(wrapper).__name__
+        assert not skipped & {n for n, p in names.items() if not isinstance(p, RemoteWeight)}
 
 
 def test_the_trainer_under_torchrun(executor, tmp_path):

@@ -69,6 +69,7 @@ def test_a_deep_copy_is_a_model_of_its_own(executor, fuse):
     ref = lora_model("tiny-llama")
     virt = virtualize(lora_model("tiny-llama"), executor.url, fuse=fuse)
     twin = copy.deepcopy(virt)
+    assert all(isinstance(p, torch.nn.Parameter) for p in twin.parameters())  # (placeholders too)
     x = ids(2, 9)
     with torch.no_grad():
         assert torch.equal(twin(x).logits, ref(x).logits) and torch.equal(virt(x).logits, ref(x).logits)
@@ -78,16 +79,20 @@ def test_a_deep_copy_is_a_model_of_its_own(executor, fuse):
     gc.collect()
     twin.zero_grad(set_to_none=True)
     assert_backward_matches(ref, twin, x)
+    with torch.no_grad():  # (a copy of the copy: its shims know the copy as their whole model)
+        assert torch.equal(copy.deepcopy(twin)(x).logits, twin(x).logits)
 
 
-def test_modules_to_save_after_virtualize_is_refused_clearly(executor):
-    """PEFT's modules_to_save copies a served module to train the copy: after virtualize the copy
-    would hold no weights (its gradients silently None), so copying a served module alone raises,
-    naming the order that works (get_peft_model first: test_other_peft_methods_after_get_peft_model)."""
+@pytest.mark.parametrize("saved", ["lm_head", "mlp"])
+def test_modules_to_save_after_virtualize_is_refused_clearly(executor, saved):
+    """PEFT's modules_to_save copies a module to train the copy: after virtualize a copy of a served
+    module, or of one holding served modules, would hold no weights (its gradients silently None),
+    so copying part of a virtualized model without the whole raises, naming the order that works
+    (get_peft_model first: test_other_peft_methods_after_get_peft_model)."""
     import peft
 
     virt = virtualize(build_builtin("tiny-llama"), executor.url)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=[saved])
     with pytest.raises(RuntimeError, match="get_peft_model before virtualize"):
         peft.get_peft_model(virt, config)
 
