@@ -44,7 +44,7 @@ class FusedGroup(UnitRef):
             raise ValueError(f"group {unit.id!r} ({self._d_in} -> {self._d_out}) does not match its members' widths {self.sizes}")
         self.enabled = True
         self._adapter = next((m._adapter for m in members if m._adapter), 0)  # (the executor adds each adapted member's share)
-        self._local = threading.local()  # .last: this thread's _Last (threads sharing a model fuse each its own calls)
+        self._last = _Last()  # this thread's last group call (threads sharing a model fuse each their own calls)
         self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
         self._scope_open = False  # while torch.compile traces the members' parent's forward (FusionScope)
         self._register()
@@ -63,9 +63,7 @@ class FusedGroup(UnitRef):
             return None
         if tracing():
             return self._traced(member, x)
-        last = getattr(self._local, "last", None)
-        if last is None:
-            last = self._local.last = _Last()
+        last = self._last
         if member in last.kept and last.x is x and last.state == _state(x):
             y = last.kept.pop(member)
             if not last.kept:
@@ -102,14 +100,12 @@ class FusedGroup(UnitRef):
         return ys[member].contiguous()
 
 
-class _Last:
-    """One thread's last group call: its input, the input's _state then (a sibling takes a kept
+class _Last(threading.local):
+    """Each thread's last group call: its input, the input's _state then (a sibling takes a kept
     output only if it is unchanged), the outputs no member has taken yet (member index -> output),
     and how many group calls in a row left some output untaken."""
 
-    __slots__ = ("x", "state", "kept", "wasted")
-
-    def __init__(self):
+    def __init__(self):  # (run anew in each thread that reads it)
         self.x, self.state, self.kept, self.wasted = None, None, {}, 0
 
 

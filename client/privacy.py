@@ -146,7 +146,7 @@ class NoiseMask:
         # reading the reply where the transport has it and writing the result once
         if not low:
             if x.dtype == torch.float32:
-                v = torch.addmm(rows, c, basis, out=scratch) if scratch is not None else torch.addmm(rows, c, basis)
+                v = torch.addmm(rows, c, basis, out=scratch)  # (out=None: a new tensor)
             else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
                 v = torch.addmm(rows.float(), c, basis).to(x.dtype)
 
@@ -158,8 +158,7 @@ class NoiseMask:
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
         # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
         c = c.to(x.dtype)
-        n = u.low(basis, x.dtype)
-        v = torch.addmm(rows, c, n, out=scratch) if scratch is not None else torch.addmm(rows, c, n)
+        v = torch.addmm(rows, c, u.low(basis, x.dtype), out=scratch)
 
         def take_low(y):
             return torch.addmm(y.reshape(-1, y.shape[-1]), c, u.low(effect, y.dtype), alpha=-1).view(y.shape)

@@ -237,7 +237,7 @@ class UnitRef:
             if key == "_virtual_root":
                 new.__dict__[key] = weakref.ref(memo[id(root)]) if root is not None and id(root) in memo else value
             else:
-                new.__dict__[key] = threading.local() if isinstance(value, threading.local) else copy.deepcopy(value, memo)
+                new.__dict__[key] = type(value)() if isinstance(value, threading.local) else copy.deepcopy(value, memo)
         new._register()
         return new
 
