@@ -225,7 +225,7 @@ class ExecutorCore:
             k.per_tenant_refused[call.tenant] += 1
             raise CallError(e.code, str(e), e.retry_after_s) from None
 
-    def step(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Result]:
+    def step(self, now: float, can_grow: bool | set = True, attached: int = 0) -> list[Result]:
         """Runs at most one batch; [] when nothing is due."""
         calls = self.scheduler.pop_batch(now, can_grow, attached)
         if not calls:

@@ -3,9 +3,9 @@
 One queue per unit and op. When a queue is ready depends on the policy (Symbiosis, Table 4):
 - opportunistic (the default): when its oldest call has waited its latency class's wait, when its
   queued tokens reach `max_batch_tokens`, or when no other call can arrive before something runs
-  (the transport says so through `can_grow`: only tenants that called lately may join). Calls
-  batched at one unit owe nothing to each other at the next one, so tenants that left a unit
-  together tend to reach the next together.
+  (the transport says so through `can_grow`: only tenants that called lately may join, and with
+  `convoys` only at the queues they are expected at). Calls batched at one unit owe nothing to
+  each other at the next one, so tenants that left a unit together tend to reach the next together.
 - lockstep: only when every attached tenant has a call in it (or the tokens reach the cap, or
   every tenant waits somewhere else too: then the oldest queue runs, so nothing deadlocks; or its
   oldest call has waited `lockstep_wait_us`: a tenant whose next input its GPU holds back behind
@@ -15,6 +15,12 @@ One queue per unit and op. When a queue is ready depends on the policy (Symbiosi
 Each tenant's calls run in the order it sent them: only a tenant's oldest queued call may join a
 batch (its next call's input may be computed from this one's output, on the GPU, behind the host's
 back), so a batch holds at most one call per tenant.
+
+Convoys: a tenant's calls go round the same units in the same order (a model's layers, forward
+then backward), so the scheduler learns, per tenant, which (unit, op)s its next call went to after
+each (unit, op); a tenant with no call queued is expected next at the successors of its latest
+call's (`expected`). With `convoys` on, a queue waits only for tenants expected at it: a call that no
+one is about to join runs at once, and calls that ran together wait for each other at the next unit.
 
 Inference queues go first, except that a queue whose oldest call has waited `starve_us` goes
 before any younger one of the other class: neither class starves the other.
@@ -34,6 +40,7 @@ from symbiont.proto import executor_pb2 as pb
 
 POLICIES = ("opportunistic", "lockstep", "no-lockstep")
 WAIT_WINDOW = 4096  # queue waits kept per class for their percentiles
+MAX_SUCCESSORS = 4  # a (unit, op) followed by more distinct ones in a tenant's calls predicts nothing
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +67,9 @@ class SchedulerConfig:
     """Tokens one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
     max_queued_tokens: int = 0
     """Tokens queued over all tenants past which new calls are refused with RETRY_LATER (0: no limit)."""
+    convoys: bool = True
+    """Opportunistic: a queue waits only for tenants expected at it (`Scheduler.expected`); False: for
+    any tenant that called lately, wherever it goes next."""
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -123,6 +133,8 @@ class Scheduler:
         self._rate = 0.0  # tokens per second the queues drain at, smoothed (the retry hint)
         self._wait_ema = {pb.TRAINING: 0.0, pb.INFERENCE: 0.0}  # seconds each class's calls waited lately (budgets)
         self._last_pop = None
+        self._latest: dict[int, tuple] = {}  # each tenant's latest call's (unit, op), while known
+        self._follows: dict[int, dict[tuple, frozenset | None]] = {}  # tenant: (unit, op) -> where its next calls went
 
     def admit(self, call: Call) -> None:
         """Raises Refused when `call` may not be queued now (quotas, a saturated executor)."""
@@ -168,6 +180,40 @@ class Scheduler:
         self._order.setdefault(call.tenant, collections.deque()).append(call)
         self.queued_tokens += call.tokens
 
+    def note_call(self, tenant: int, key: tuple) -> None:
+        """Tenant's next call is at `key` (unit id, op): learnt as its previous call's successor.
+        The transport tells every call it sees, run through the queues or not."""
+        last = self._latest.get(tenant)
+        self._latest[tenant] = key
+        if last is None:
+            return
+        follows = self._follows.setdefault(tenant, {})
+        seen = follows.get(last, frozenset())
+        if seen is not None and key not in seen:
+            follows[last] = seen | {key} if len(seen) < MAX_SUCCESSORS else None
+
+    def lost_track(self, tenant: int) -> None:
+        """Tenant's calls went by unseen (a native lane served them): where it is now is unknown."""
+        self._latest.pop(tenant, None)
+
+    def forget_others(self, live) -> None:
+        """Forgets what was learnt of the tenants not in `live` (detached) with no call queued."""
+        for tenant in [t for t in self._follows.keys() | self._latest.keys() if t not in live and t not in self._per_tenant]:
+            self._latest.pop(tenant, None)
+            self._follows.pop(tenant, None)
+
+    def expected(self, tenant: int) -> frozenset | None:
+        """The (unit, op)s tenant's next call is expected at: where its calls went after its latest
+        call's (unit, op) before; None when that is not known (any queue may get it)."""
+        last = self._latest.get(tenant)
+        if last is None:
+            return None
+        return self._follows.get(tenant, {}).get(last)
+
+    def head_keys(self) -> set[tuple]:
+        """The (unit, op)s of the queues holding a call that may run now."""
+        return {(c.unit.id, c.op) for c in self._heads()}
+
     def pending(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
@@ -194,14 +240,16 @@ class Scheduler:
         d = min((c.arrived + self._wait_s(k) for k, q in self._queues.items() for c in q if c in heads), default=None)
         return None if d == float("inf") else d
 
-    def pop_batch(self, now: float, can_grow: bool = True, attached: int = 0) -> list[Call]:
+    def pop_batch(self, now: float, can_grow: bool | set = True, attached: int = 0) -> list[Call]:
         """The calls to run now as one batch (same unit, same op), or [] when nothing is due.
 
-        can_grow: False when no call can arrive before something runs, so waiting is pure loss.
+        can_grow: False when no call can arrive before something runs, so waiting is pure loss; a
+        set: only the queues of those (unit, op)s may get another call.
         attached: how many tenants are attached (lockstep waits for all of them at a queue); when
         every one of them has a call queued, no call can join: nothing waits.
         """
-        can_grow = can_grow and not (attached and len(self._per_tenant) >= attached)
+        if attached and len(self._per_tenant) >= attached:
+            can_grow = False
         best, best_rank, best_ready = None, None, None
         starve = self.config.starve_us * 1e-6
         heads = self._heads()
@@ -211,7 +259,7 @@ class Scheduler:
             if not ready:
                 continue
             due = (
-                not can_grow
+                not (key in can_grow if isinstance(can_grow, set) else can_grow)
                 or self._tokens[key] >= self.config.max_batch_tokens
                 or now - ready[0].arrived >= self._wait_s(key)
                 or (self.config.policy == "lockstep" and len(ready) >= attached)

@@ -154,3 +154,72 @@ def test_tied_weights_are_one_tensor():
     assert table.parameter_count() == sum(
         p.numel() for n, p in build_builtin("tiny-qwen2").named_parameters() if n.endswith(("proj.weight", "proj.bias", "embed_tokens.weight"))
     )
+
+
+def test_convoys_learn_where_each_tenant_calls_next(model):
+    core = core_for(model)
+    s = core.scheduler
+    q, k = (Q, pb.FORWARD), (K, pb.FORWARD)
+    assert s.expected(1) is None  # nothing seen yet: may go anywhere
+    for key in (q, k, q, k):
+        s.note_call(1, key)
+    assert s.expected(1) == {q}  # after k came q
+    s.note_call(1, q)
+    assert s.expected(1) == {k} and s.expected(2) is None  # (per tenant)
+    s.lost_track(1)  # calls went by unseen (a native lane): its place is unknown
+    assert s.expected(1) is None
+    s.note_call(1, q)
+    assert s.expected(1) == {k}
+    others = [(f"u{i}", pb.FORWARD) for i in range(5)]
+    for o in others:  # q followed by more distinct units than are kept: q predicts nothing
+        s.note_call(1, o)
+        s.note_call(1, q)
+    assert s.expected(1) is None
+    s.forget_others({2})
+    s.note_call(1, k)
+    assert s.expected(1) is None  # forgotten: learnt anew
+
+
+def test_only_queues_in_can_grow_wait_for_company(model):
+    core = core_for(model, max_wait_us=1000)
+    core.submit(call(core, 1, Q, 3, t=0.0))
+    assert core.step(now=0.0001, can_grow={(Q, pb.FORWARD)}) == []  # someone is expected at q: it waits
+    assert [r.call.tenant for r in core.step(now=0.0001, can_grow={(K, pb.FORWARD)})] == [1]  # expected elsewhere
+
+
+def test_company_is_only_the_recent_tenants_expected_at_a_queue(model):
+    """LocalServer._company: which queues may still grow, and until when, from the tenants' last
+    calls and replies and where the scheduler expects them next."""
+    import types
+
+    from symbiont.base_executor.transports.local import LocalServer
+
+    core = core_for(model, max_wait_us=1000)
+    s = core.scheduler
+    q, k = (Q, pb.FORWARD), (K, pb.FORWARD)
+    server = types.SimpleNamespace(core=core)
+    tenants = [types.SimpleNamespace(id=i, last_call=0.0, last_reply=0.0) for i in (1, 2, 3)]
+    for t in (1, 2):
+        for key in (q, k, q):
+            s.note_call(t, key)
+    core.submit(call(core, 1, K, 3, t=1.0))  # tenant 1 queued at k
+    company = lambda now: LocalServer._company(server, tenants, [], now)  # noqa: E731
+    tenants[1].last_reply = 1.0  # tenant 2 just got q's result: expected at k next
+    assert company(1.0002) == ({k}, pytest.approx(1.001))
+    s.note_call(2, q)  # ... had it been expected at q again (a queue no one is in), no company
+    s.lost_track(2)
+    s.note_call(2, k)
+    s.note_call(2, q)
+    s.note_call(2, q)
+    assert s.expected(2) == {k, q}
+    assert company(1.0002) == ({k}, pytest.approx(1.001))
+    tenants[1].last_reply = 0.0
+    assert company(1.0002) == (False, 0.0)  # no one recent
+    tenants[2].last_call = 1.0001  # tenant 3, place unknown, called lately: any queue may grow
+    assert company(1.0002) == (True, pytest.approx(1.0011))
+    assert company(1.0012) == (False, 0.0)  # its window passed
+    convoys_off = core_for(model, max_wait_us=1000, convoys=False)
+    server.core = convoys_off
+    convoys_off.submit(call(convoys_off, 1, K, 3, t=1.0))
+    tenants[1].last_reply = 1.0
+    assert company(1.0002) == (True, pytest.approx(1.0011))

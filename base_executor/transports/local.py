@@ -206,7 +206,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             ran = False
             while self.core.scheduler.waiting_tenants():  # (nothing queued: nothing to run, no company to look for)
                 now = time.monotonic()
-                can_grow = not stopping and self._company_until(tenants, remote) > now
+                can_grow = False if stopping else self._company(tenants, remote, now)[0]
                 results = self.core.step(now, can_grow, attached)
                 if not results:
                     break
@@ -229,7 +229,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 continue
             deadline = self.core.scheduler.next_deadline()
             if deadline is not None:  # (no one may join past the company's window: run then)
-                deadline = min(deadline, max(self._company_until(tenants, remote), now))
+                deadline = min(deadline, max(self._company(tenants, remote, now)[1], now))
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
@@ -279,6 +279,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
                     continue
+                self.core.scheduler.note_call(t.id, (req.unit, req.op))
                 if t.gpu is not None and not stopping:
                     if self._run_waiting(t, req):
                         continue
@@ -316,7 +317,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         unit = self.core.table.get(req.unit)
         if unit is None or unit.kind == "embedding":  # its ids are checked on the host
             return False
-        if not (self._alone(t) or self._solo(t, req)):
+        if not (self._alone(t, (req.unit, req.op)) or self._solo(t, req)):
             return False
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
@@ -355,24 +356,41 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
 
-    def _company_until(self, tenants: list[Tenant], remote: list) -> float:
-        """Until when a queued call may still get company in its batch (0.0: it cannot).
+    def _company(self, tenants: list[Tenant], remote: list, now: float) -> tuple[bool | set, float]:
+        """Which queues may still get company in their batch (True: any; a set of (unit, op)s;
+        False: none), and until when.
 
-        Under lockstep, while some attached tenant has no call queued. Otherwise only a tenant
+        Under lockstep, any while some attached tenant has no call queued. Otherwise only a tenant
         with no call queued that called or got a result lately may send a call soon enough to
-        join: its window is the scheduler's longest wait after the later of the two. Tenants idle
-        for longer (and, under layer placement, those working at another rank's layers) are
+        join: its window is the scheduler's longest wait after the later of the two; and only at
+        the queues it is expected at (the scheduler's convoys). Tenants idle for longer, those
+        expected elsewhere, and under layer placement those working at another rank's layers, are
         waited for by no one."""
         sched = self.core.scheduler
         if sched.config.policy == "lockstep":
-            return math.inf if sched.waiting_tenants() < len(tenants) + len(remote) else 0.0
-        last = max((max(o.last_call, o.last_reply) for o in itertools.chain(tenants, remote) if not sched.waiting(o.id)),
-                   default=0.0)
-        return last + sched.config.max_wait_us * 1e-6 if last else 0.0
+            return (True, math.inf) if sched.waiting_tenants() < len(tenants) + len(remote) else (False, 0.0)
+        window = sched.config.max_wait_us * 1e-6
+        grow, until, heads = set(), 0.0, None
+        for o in itertools.chain(tenants, remote):
+            last = max(o.last_call, o.last_reply)
+            if last + window <= now or sched.waiting(o.id):
+                continue
+            expected = sched.expected(o.id) if sched.config.convoys else None
+            if expected is None:
+                grow = True
+            else:
+                heads = sched.head_keys() if heads is None else heads
+                keys = heads.intersection(expected)
+                if not keys:
+                    continue
+                if grow is not True:
+                    grow |= keys
+            until = max(until, last + window)
+        return grow or False, until
 
-    def _alone(self, t: Tenant) -> bool:
-        """Whether t's next call would run alone: no call of t is queued, and no other tenant may
-        send one soon enough to join it."""
+    def _alone(self, t: Tenant, key: tuple | None = None) -> bool:
+        """Whether t's next call (at `key`, the (unit, op); None: wherever t is expected) would run
+        alone: no call of t is queued, and no other tenant may send one soon enough to join it."""
         if self.core.scheduler.waiting(t.id):
             # an earlier call of t is queued: its GEMM must be on the GPU before anything waits for
             # an input the tenant's GPU makes only after that GEMM's output (else a synchronising
@@ -380,7 +398,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             return False
         if self.core.scheduler.config.policy == "lockstep":  # every attached tenant may join, however long it takes
             return len(self.tenants) + len(self.remote) == 1
-        return not any(self._may_join(o, t) for o in self.tenants.values())
+        keys = {key} if key is not None else self.core.scheduler.expected(t.id)
+        return not any(self._may_join(o, t, keys) for o in self.tenants.values())
 
     def _lane_may_serve(self, t: Tenant) -> bool:
         """Whether t's native lane may serve now: while t is alone, or at any time when every call
@@ -397,12 +416,17 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             return False
         return math.prod(req.shape[:-1]) >= solo
 
-    def _may_join(self, o: Tenant, t: Tenant) -> bool:
-        """Whether tenant o may send a call soon enough to share a batch with t's: it has none in,
-        and it called within the longest wait the scheduler gives a call."""
-        if o is t or o.held is not None or self.core.scheduler.waiting(o.id):
+    def _may_join(self, o: Tenant, t: Tenant, keys) -> bool:
+        """Whether tenant o may send a call soon enough to share a batch with t's next (at one of
+        `keys`, the (unit, op)s; None: anywhere): it has none in, it called within the longest wait
+        the scheduler gives a call, and it is expected at one of them (or where is not known)."""
+        sched = self.core.scheduler
+        if o is t or o.held is not None or sched.waiting(o.id):
             return False
-        return time.monotonic() - o.last_call < self.core.scheduler.config.max_wait_us * 1e-6
+        if time.monotonic() - o.last_call >= sched.config.max_wait_us * 1e-6:
+            return False
+        expected = sched.expected(o.id) if sched.config.convoys else None
+        return expected is None or keys is None or not expected.isdisjoint(keys)
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -412,6 +436,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self._reclaim(t, f"process {t.pid} is gone", release=True)
                 elif t.areas.waiting() and now - t.waiting_since > self.config.input_timeout_s:
                     self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s", release=True)
+            self.core.scheduler.forget_others(set(self.tenants) | set(self.remote))  # (detached ones)
             if self._gpu_waits():
                 return
         self.areas.reap()
