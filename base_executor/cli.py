@@ -123,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
         inference_wait_us=args.inference_wait_us if args.inference_wait_us is not None else args.max_wait_us // 10,
         max_batch_tokens=args.max_batch_tokens,
         exact=args.exact,
-        convoys=not args.no_convoys,
+        convoys=args.convoys,
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
@@ -427,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "when every attached tenant has a call in it (lockstep), or at once (no-lockstep)")
     s.add_argument("--max-wait-us", type=int, default=500, help="longest a training call waits to be batched")
     s.add_argument("--inference-wait-us", type=int, default=None, help="longest an inference call waits (default max-wait/10)")
-    s.add_argument("--no-convoys", action="store_true", help="opportunistic: a queued call waits for any tenant that "
-                   "called lately, not only for those expected at its unit next (their calls' usual order, learnt)")
+    s.add_argument("--convoys", action="store_true", help="opportunistic: a queued call waits only for the tenants "
+                   "expected at its unit next (their calls' usual order, learnt), not for any that called lately")
     s.add_argument("--max-batch-tokens", type=int, default=8192, help="a unit's queue with this many tokens runs at once")
     s.add_argument("--exact", action="store_true", help="batch-invariant results: one GEMM per call within a batch, "
                    "so every tenant gets bitwise what it would get alone (slower under load)")

@@ -67,9 +67,10 @@ class SchedulerConfig:
     """Tokens one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
     max_queued_tokens: int = 0
     """Tokens queued over all tenants past which new calls are refused with RETRY_LATER (0: no limit)."""
-    convoys: bool = True
+    convoys: bool = False
     """Opportunistic: a queue waits only for tenants expected at it (`Scheduler.expected`); False: for
-    any tenant that called lately, wherever it goes next."""
+    any tenant that called lately, wherever it goes next (the default: on a busy GPU a wait costs
+    nothing and the batches it makes save GEMMs; benchmarks/RESULTS.md, S10 convoys)."""
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -194,7 +194,7 @@ def test_company_is_only_the_recent_tenants_expected_at_a_queue(model):
 
     from symbiont.base_executor.transports.local import LocalServer
 
-    core = core_for(model, max_wait_us=1000)
+    core = core_for(model, max_wait_us=1000, convoys=True)
     s = core.scheduler
     q, k = (Q, pb.FORWARD), (K, pb.FORWARD)
     server = types.SimpleNamespace(core=core)
@@ -218,7 +218,7 @@ def test_company_is_only_the_recent_tenants_expected_at_a_queue(model):
     tenants[2].last_call = 1.0001  # tenant 3, place unknown, called lately: any queue may grow
     assert company(1.0002) == (True, pytest.approx(1.0011))
     assert company(1.0012) == (False, 0.0)  # its window passed
-    convoys_off = core_for(model, max_wait_us=1000, convoys=False)
+    convoys_off = core_for(model, max_wait_us=1000)  # (the default)
     server.core = convoys_off
     convoys_off.submit(call(convoys_off, 1, K, 3, t=1.0))
     tenants[1].last_reply = 1.0
