@@ -186,7 +186,7 @@ class Scheduler:
         The transport tells every call it sees, run through the queues or not."""
         last = self._latest.get(tenant)
         self._latest[tenant] = key
-        if last is None:
+        if last is None or last == key:  # (a call split in chunks, or retried: the tenant is where it was)
             return
         follows = self._follows.setdefault(tenant, {})
         seen = follows.get(last, frozenset())

@@ -7,7 +7,7 @@ import torch
 from symbiont.base_executor.catalog import UnitTable
 from symbiont.base_executor.core import CallError, ExecutorCore
 from symbiont.base_executor.models import build_builtin
-from symbiont.base_executor.scheduler import Call, Scheduler, SchedulerConfig
+from symbiont.base_executor.scheduler import MAX_SUCCESSORS, Call, Scheduler, SchedulerConfig
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import dtype_enum
 
@@ -170,12 +170,25 @@ def test_convoys_learn_where_each_tenant_calls_next(model):
     assert s.expected(1) is None
     s.note_call(1, q)
     assert s.expected(1) == {k}
-    others = [(f"u{i}", pb.FORWARD) for i in range(5)]
-    for o in others:  # q followed by more distinct units than are kept: q predicts nothing
+    s.note_call(1, q)  # a call split in chunks (or retried) teaches no step from q to q
+    assert s.expected(1) == {k}
+    others = [(f"u{i}", pb.FORWARD) for i in range(MAX_SUCCESSORS)]
+    for o in others[1:]:  # q followed by as many distinct units as are kept: all of them expected
         s.note_call(1, o)
         s.note_call(1, q)
+    assert s.expected(1) == {k, *others[1:]}
+    s.note_call(1, others[0])  # one more: q predicts nothing, for good
+    s.note_call(1, q)
     assert s.expected(1) is None
-    s.forget_others({2})
+    s.note_call(1, k)
+    s.note_call(1, q)
+    assert s.expected(1) is None
+    core.submit(call(core, 3, Q, 1, t=0.0))
+    s.note_call(3, q)
+    s.note_call(3, k)
+    s.note_call(3, q)
+    s.forget_others({2})  # 1 is gone; 3 is gone too but has a call queued: kept until it runs
+    assert s.expected(3) == {k}
     s.note_call(1, k)
     assert s.expected(1) is None  # forgotten: learnt anew
 
@@ -206,20 +219,55 @@ def test_company_is_only_the_recent_tenants_expected_at_a_queue(model):
     company = lambda now: LocalServer._company(server, tenants, [], now)  # noqa: E731
     tenants[1].last_reply = 1.0  # tenant 2 just got q's result: expected at k next
     assert company(1.0002) == ({k}, pytest.approx(1.001))
-    s.note_call(2, q)  # ... had it been expected at q again (a queue no one is in), no company
-    s.lost_track(2)
-    s.note_call(2, k)
+    x = ("model.layers.0.mlp", pb.FORWARD)
+    s.note_call(2, x)  # it learns q -> x too: expected at k or x, and only k's queue waits for it
     s.note_call(2, q)
-    s.note_call(2, q)
-    assert s.expected(2) == {k, q}
+    assert s.expected(2) == {k, x}
     assert company(1.0002) == ({k}, pytest.approx(1.001))
     tenants[1].last_reply = 0.0
     assert company(1.0002) == (False, 0.0)  # no one recent
     tenants[2].last_call = 1.0001  # tenant 3, place unknown, called lately: any queue may grow
     assert company(1.0002) == (True, pytest.approx(1.0011))
     assert company(1.0012) == (False, 0.0)  # its window passed
+    tenants[2].last_call = 0.0
+    tenants[0].last_reply = 1.0001  # tenant 1, whose next call is held for its input at k, ...
+    core.scheduler.drop(lambda c: True)
+    tenants[0].held = (types.SimpleNamespace(unit=K, op=pb.FORWARD), 1.0001)
+    core.submit(call(core, 2, K, 3, t=1.0))
+    assert company(1.0002) == ({k}, pytest.approx(1.0011))  # ... is expected there, not after it
     convoys_off = core_for(model, max_wait_us=1000)  # (the default)
     server.core = convoys_off
     convoys_off.submit(call(convoys_off, 1, K, 3, t=1.0))
-    tenants[1].last_reply = 1.0
-    assert company(1.0002) == (True, pytest.approx(1.0011))
+    tenants[1].last_reply = 1.0  # (expected elsewhere, but without convoys any recent tenant counts)
+    assert company(1.0002) == (True, pytest.approx(1.001))
+
+
+def test_a_set_of_growing_queues_still_runs_when_every_tenant_waits(model):
+    core = core_for(model, max_wait_us=1000)
+    core.submit(call(core, 1, Q, 3, t=0.0))
+    core.submit(call(core, 2, K, 3, t=0.0, seed=1))
+    ran = core.step(now=0.0001, can_grow={(Q, pb.FORWARD), (K, pb.FORWARD)}, attached=2)  # no one left to come
+    assert len(ran) == 1
+
+
+def test_may_join_with_convoys_asks_where_the_other_tenant_is_expected(model):
+    """LocalServer._may_join: a recent tenant with no call in may join t's next call only where it
+    is expected (or anywhere while that is unknown, or with convoys off)."""
+    import time
+    import types
+
+    from symbiont.base_executor.transports.local import LocalServer
+
+    q, k = (Q, pb.FORWARD), (K, pb.FORWARD)
+    for convoys in (True, False):
+        core = core_for(model, max_wait_us=10_000_000, convoys=convoys)
+        server = types.SimpleNamespace(core=core)
+        t, o = (types.SimpleNamespace(id=i, held=None, last_call=time.monotonic()) for i in (1, 2))
+        may_join = lambda keys: LocalServer._may_join(server, o, t, keys)  # noqa: E731
+        assert may_join({q}) and may_join(None)  # o's place unknown
+        for key in (q, k, q):
+            core.scheduler.note_call(2, key)  # o is expected at k next
+        assert may_join({k}) and may_join(None)
+        assert may_join({q}) is (not convoys)
+        o.last_call = 0.0  # o did not call lately: it joins no one
+        assert not may_join({k})

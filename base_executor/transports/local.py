@@ -279,7 +279,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
                     continue
-                self.core.scheduler.note_call(t.id, (req.unit, req.op))
+                if self.core.scheduler.config.convoys and self.core.table.get(req.unit) is not None:
+                    self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
                 if t.gpu is not None and not stopping:
                     if self._run_waiting(t, req):
                         continue
@@ -358,7 +359,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
 
     def _company(self, tenants: list[Tenant], remote: list, now: float) -> tuple[bool | set, float]:
         """Which queues may still get company in their batch (True: any; a set of (unit, op)s;
-        False: none), and until when.
+        False: none), and until when (with convoys: until the first of those tenants' windows ends,
+        when the loop looks again).
 
         Under lockstep, any while some attached tenant has no call queued. Otherwise only a tenant
         with no call queued that called or got a result lately may send a call soon enough to
@@ -370,12 +372,18 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         if sched.config.policy == "lockstep":
             return (True, math.inf) if sched.waiting_tenants() < len(tenants) + len(remote) else (False, 0.0)
         window = sched.config.max_wait_us * 1e-6
-        grow, until, heads = set(), 0.0, None
+        if not sched.config.convoys:
+            last = max((max(o.last_call, o.last_reply) for o in itertools.chain(tenants, remote) if not sched.waiting(o.id)),
+                       default=0.0)
+            until = last + window if last else 0.0
+            return until > now, until
+        grow, until, heads = set(), math.inf, None
         for o in itertools.chain(tenants, remote):
             last = max(o.last_call, o.last_reply)
-            if last + window <= now or sched.waiting(o.id):
+            if not last or last + window <= now or sched.waiting(o.id):
                 continue
-            expected = sched.expected(o.id) if sched.config.convoys else None
+            held = getattr(o, "held", None)  # (a call held for its input is its next one)
+            expected = frozenset({(held[0].unit, held[0].op)}) if held is not None else sched.expected(o.id)
             if expected is None:
                 grow = True
             else:
@@ -385,8 +393,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     continue
                 if grow is not True:
                     grow |= keys
-            until = max(until, last + window)
-        return grow or False, until
+            until = min(until, last + window)  # (the first window to end: the loop looks again then)
+        return (grow, until) if grow else (False, 0.0)
 
     def _alone(self, t: Tenant, key: tuple | None = None) -> bool:
         """Whether t's next call (at `key`, the (unit, op); None: wherever t is expected) would run

@@ -108,7 +108,8 @@ class RemoteTenants:
                 elif call.x.is_cuda:  # (a collective plane's bytes, received on its own stream)
                     call.x.record_stream(torch.cuda.current_stream(self.core.device))
                 call.arrived = sender.last_call = time.monotonic()
-                self.core.scheduler.note_call(call.tenant, (call.unit.id, call.op))
+                if self.core.scheduler.config.convoys:
+                    self.core.scheduler.note_call(call.tenant, (call.unit.id, call.op))
                 self.core.submit(call)
             except CallError as e:
                 self.core.counters.errors += 1
