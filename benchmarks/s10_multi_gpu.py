@@ -125,7 +125,7 @@ def main() -> int:
         try:
             for k in ks:
                 who = f"symbiont {name} x{a.gpus}"
-                tensor = "tensor" in flags[flags.index("--placement") + 1:][:1] if "--placement" in flags else False
+                tensor = "--placement" in flags and flags[flags.index("--placement") + 1:][:1] == ["tensor"]
                 # (under layer placement each rank serves its own name too; under tensor placement rank 0 alone)
                 rank_urls = [url] + ([] if tensor else [f"{url}.r{r}" for r in range(1, a.gpus)])
                 before = [fleet.executor_stats(u) for u in rank_urls]

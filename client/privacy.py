@@ -141,12 +141,11 @@ class NoiseMask:
         norm = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
         c *= norm * (self.scale / (rows.numel() * self.rank) ** 0.5)  # (noise RMS = scale x the input's; one tensor op)
-        scratch = self._scratch(rows)
         # the reply is (x + c basis) W^T (+ b): take() takes away c (basis W^T), the noise's effect,
         # reading the reply where the transport has it and writing the result once
         if not low:
             if x.dtype == torch.float32:
-                v = torch.addmm(rows, c, basis, out=scratch)  # (out=None: a new tensor)
+                v = torch.addmm(rows, c, basis, out=self._scratch(rows))  # (out=None: a new tensor)
             else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
                 v = torch.addmm(rows.float(), c, basis).to(x.dtype)
 
@@ -158,7 +157,7 @@ class NoiseMask:
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
         # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
         c = c.to(x.dtype)
-        v = torch.addmm(rows, c, u.low(basis, x.dtype), out=scratch)
+        v = torch.addmm(rows, c, u.low(basis, x.dtype), out=self._scratch(rows))
 
         def take_low(y):
             return torch.addmm(y.reshape(-1, y.shape[-1]), c, u.low(effect, y.dtype), alpha=-1).view(y.shape)

@@ -406,7 +406,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             return False
         if self.core.scheduler.config.policy == "lockstep":  # every attached tenant may join, however long it takes
             return len(self.tenants) + len(self.remote) == 1
-        keys = {key} if key is not None else self.core.scheduler.expected(t.id)
+        keys = None  # (anywhere: without convoys, where t goes does not matter)
+        if self.core.scheduler.config.convoys:
+            keys = {key} if key is not None else self.core.scheduler.expected(t.id)
         return not any(self._may_join(o, t, keys) for o in self.tenants.values())
 
     def _lane_may_serve(self, t: Tenant) -> bool:
