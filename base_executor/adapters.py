@@ -127,14 +127,18 @@ class Merged:
     switch_s: float  # how long making them took
 
 
-def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list) -> Unit | None:
-    """A copy of `unit` with scale B A added to the output rows [a, b) of each part (None: no part).
-    Rows no part adapts are copied now; the adapted rows' (served rows, copy's rows, delta) are
-    appended to `adapted`, for _merge_rows to write."""
+ARENA_ALIGN_BYTES = 256  # where each merged copy starts in the copies' arena
+
+
+def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list, weight: torch.Tensor | None = None) -> Unit | None:
+    """A copy of `unit` with scale B A added to the output rows [a, b) of each part (None: no part),
+    in `weight` (the unit's shape and strides; default a new tensor). Rows no part adapts are copied
+    now; the adapted rows' (served rows, copy's rows, delta) are appended to `adapted`, for
+    _merge_rows to write."""
     if not parts:
         return None
     source = unit.weight if unit.kind == LINEAR else unit.weight.t()  # [out, in] either way
-    weight = torch.empty_like(unit.weight)
+    weight = torch.empty_like(unit.weight) if weight is None else weight
     rows = weight if unit.kind == LINEAR else weight.t()
     done = 0
     for a, b, delta in sorted(parts, key=lambda p: p[0]):
@@ -146,17 +150,41 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list)
         rows[done:].copy_(source[done:])
     base = unit.weight.storage_offset()
     members = tuple(dataclasses.replace(m, weight=weight.as_strided(m.weight.shape, m.weight.stride(),
-                                                                     m.weight.storage_offset() - base))
+                                                                     weight.storage_offset() + m.weight.storage_offset() - base))
                     for m in unit.members)
     return dataclasses.replace(unit, weight=weight, members=members)
 
 
-def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: bool) -> None:
+def _arena_for(todo: list[tuple[Unit, list]], device: torch.device) -> tuple[torch.Tensor | None, list]:
+    """One block of memory for every merged copy of `todo` ((unit, parts) each), and each copy's
+    place in it: (arena, [a view of the unit's shape]). (None, [None, ...]) where the copies cannot
+    share one (weights of several dtypes or not contiguous, or no free block that large): each is
+    then made alone."""
+    dtypes = {u.weight.dtype for u, _ in todo}
+    if len(dtypes) != 1 or not all(u.weight.is_contiguous() for u, _ in todo):
+        return None, [None] * len(todo)
+    dtype = dtypes.pop()
+    step = max(1, ARENA_ALIGN_BYTES // dtype.itemsize)
+    at, places = 0, []
+    for u, _ in todo:
+        places.append(at)
+        at += -(-u.weight.numel() // step) * step
+    try:
+        arena = torch.empty(at, dtype=dtype, device=device)
+    except torch.cuda.OutOfMemoryError:  # (fragmented: the copies one by one may still fit)
+        return None, [None] * len(todo)
+    return arena, [arena[a : a + u.weight.numel()].view(u.weight.shape) for a, (u, _) in zip(places, todo)]
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: bool,
+                arena: torch.Tensor | None = None, plans: dict | None = None, key=None) -> None:
     """Writes out = served + scale B A (accumulated in float32, rounded once) for every (served
     rows, out rows, delta) of `parts`. With `kernel` (a GPU), the rows contiguous along their inputs
     in one launch of the merge kernel, each read once and written once (one read and one write of
     the unit, the least a copy can cost); the others, and all without it, by one addmm each (ATen
-    writes such rows twice)."""
+    writes such rows twice). With `arena` (every out row range a view of it), the kernel's plan holds
+    the outs' places in the arena, so it serves every later merge of the same rows: `plans` keeps it
+    under `key` ((adapter id, its deltas dict, the arena's size); one entry, the last merged)."""
     rest = parts
     if kernel:
         rows = [p for p in parts if p[0].stride(1) == 1 and p[1].stride(1) == 1]
@@ -164,9 +192,17 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: b
             if rows:
                 from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
 
-                dtype = rows[0][0].dtype
-                loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in rows]
-                merge_lora_(plan_merge([w for w, _, _ in rows], loras, outs=[o for _, o, _ in rows]))
+                entry = plans.get(key[0]) if plans is not None and arena is not None else None
+                if entry is not None and entry[0] is key[1] and entry[1] == key[2]:
+                    plan = entry[2]
+                else:
+                    dtype = rows[0][0].dtype
+                    loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in rows]
+                    plan = plan_merge([w for w, _, _ in rows], loras, outs=[o for _, o, _ in rows], arena=arena)
+                    if plans is not None and arena is not None:
+                        plans.clear()
+                        plans[key[0]] = (key[1], key[2], plan)
+                merge_lora_(plan, arena)
             rest = [p for p in parts if not (p[0].stride(1) == 1 and p[1].stride(1) == 1)]
         except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
             log.debug("merged copies by addmm: %s", e)
@@ -192,6 +228,7 @@ class AdapterRegistry:
         self.merged: Merged | None = None
         self.dropped_merge = False  # the merged adapter was removed: its copies' graphs are still to drop
         self.merge_kernel = True  # a GPU's merged copies by the one-launch kernel, else an addmm each (probes/merge_switch.py)
+        self._merge_plans: dict[int, tuple] = {}  # the last merged adapter's kernel plan (_merge_rows)
         self._epoch = 0
 
     def __len__(self) -> int:
@@ -288,6 +325,7 @@ class AdapterRegistry:
             for adapter in evicted:
                 adapter.resident = None
                 self._resident -= adapter.nbytes
+                self._merge_plans.pop(adapter.id, None)  # (its plan holds the device copies)
             self.evictions += len(evicted)
         return evicted
 
@@ -374,6 +412,7 @@ class AdapterRegistry:
         for adapter in list(self._by_id.values()):
             self._drop(adapter)
         self.merged, self.dropped_merge = None, False
+        self._merge_plans.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -384,6 +423,7 @@ class AdapterRegistry:
                 self._resident -= adapter.nbytes
         del self._by_id[adapter.id]
         del self._by_name[(adapter.owner, adapter.name)]
+        self._merge_plans.pop(adapter.id, None)
         if self.merged_adapter is adapter:
             self.merged = None
             self.dropped_merge = True  # (the data loop drops what refers to its copies: local_calls._orchestrate)
@@ -396,19 +436,28 @@ class AdapterRegistry:
         adapter = self._by_id[adapter_id]
         t0 = time.perf_counter()
         deltas = self.on_device(adapter, count=False)
-        units: dict[str, Unit] = {}
-        adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
+        todo: list[tuple[Unit, list]] = []  # (unit to copy, its adapted row ranges)
+        covered: set[str] = set()
         for unit in self.table.units.values():  # groups first: a member called alone reads its group's copy
             if unit.members and unit.kind in (LINEAR, CONV1D):
-                merged = _merged_unit(unit, [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas], adapted)
-                if merged is not None:
-                    units[unit.id] = merged
-                    units.update((m.id, m) for m in merged.members if m.id in deltas)
+                parts = [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas]
+                if parts:
+                    todo.append((unit, parts))
+                    covered.update(m.id for m in unit.members if m.id in deltas)
         for unit_id, delta in deltas.items():
             unit = self.table.get(unit_id)
-            if unit_id not in units and unit is not None:
-                units[unit_id] = _merged_unit(unit, [(0, unit.out_features, delta)], adapted)
-        _merge_rows(adapted, kernel=self.device.type == "cuda" and self.merge_kernel)
+            if unit_id not in covered and unit is not None:
+                todo.append((unit, [(0, unit.out_features, delta)]))
+        kernel = self.device.type == "cuda" and self.merge_kernel
+        arena, places = _arena_for(todo, self.device) if kernel else (None, [None] * len(todo))
+        units: dict[str, Unit] = {}
+        adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
+        for (unit, parts), place in zip(todo, places):
+            merged = _merged_unit(unit, parts, adapted, place)
+            units[unit.id] = merged
+            if unit.members:
+                units.update((m.id, m) for m in merged.members if m.id in deltas)
+        _merge_rows(adapted, kernel=kernel, arena=arena, plans=self._merge_plans, key=(adapter.id, deltas, arena.numel() if arena is not None else 0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

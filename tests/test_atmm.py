@@ -267,6 +267,37 @@ def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype):
         plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 95, device=DEV, dtype=dtype)])
 
 
+def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
+    """arena=: the plan holds the copies' places in one block, not their addresses, so it writes
+    the same copies into a new block at the next merge (the executor plans once per adapter); many
+    matrices of several shapes (the launch finds each tile's matrix by a search), one of them empty."""
+    shapes = [(64, 96), (40, 96), (96, 40), (0, 96), (32, 64), (64, 128), (8, 96), (96, 96), (16, 40)]
+    weights, loras = merge_layers(shapes, 16, torch.bfloat16)
+    refs = [merge_ref(w.clone(), a, b, s) for w, (a, b, s) in zip(weights, loras)]
+    places, at = [], 128  # (the first copy not at the arena's start)
+    for n_out, n_in in shapes:
+        places.append(at)
+        at += -(-(n_out * n_in) // 128) * 128
+    views = lambda arena: [arena[p : p + n * k].view(n, k) for p, (n, k) in zip(places, shapes)]  # noqa: E731
+    first = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
+    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16)
+    merge_lora_(plan, first)
+    second = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
+    merge_lora_(plan, second)
+    for arena in (first, second):
+        for o, ref, w, (a, b, s) in zip(views(arena), refs, weights, loras):
+            assert ((o.float() - ref.float()).abs() <= merge_bound(ref, w, a, b, s)).all(), "copy off by more than an ulp"
+    assert torch.isnan(first[:128].float()).all() and torch.isnan(second[:128].float()).all()
+    with pytest.raises(ValueError, match="arena of"):
+        merge_lora_(plan, torch.empty(at + 1, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="arena of"):
+        merge_lora_(plan)
+    with pytest.raises(ValueError, match="takes no arena"):
+        merge_lora_(plan_merge(weights, loras, block_m=32, block_n=32, block_r=16), first)
+    with pytest.raises(ValueError, match="lie in the arena"):
+        plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 96, device=DEV, dtype=torch.bfloat16)], arena=first)
+
+
 def test_merged_copies_by_the_kernel_equal_those_by_addmm():
     """The executor's merged mode (adapters._merged_unit): a fused q/k/v group with q and v adapted,
     its copy written by one kernel launch, is the addmm-made copy within an ulp, its k rows copied
@@ -293,6 +324,12 @@ def test_merged_copies_by_the_kernel_equal_those_by_addmm():
     ulp = eps(torch.bfloat16) * by_addmm.weight.float().abs() * 2 + 1e-6
     assert ((by_kernel.weight.float() - by_addmm.weight.float()).abs() <= ulp).all()
     assert by_kernel.members[2].weight.data_ptr() == by_kernel.weight[128:].data_ptr()
+    arena = torch.empty(64 + w.numel(), device=DEV, dtype=torch.bfloat16)  # a copy placed in an arena, not at its start
+    adapted = []
+    in_arena = _merged_unit(group, parts, adapted, arena[64:].view(w.shape))
+    _merge_rows(adapted, kernel=True, arena=arena, plans={}, key=(1, parts, arena.numel()))
+    assert torch.equal(in_arena.weight, by_kernel.weight)
+    assert [m.weight.data_ptr() for m in in_arena.members] == [in_arena.weight[a].data_ptr() for a in (0, 96, 128)]
 
 
 def test_merge_rejects_mismatched_layers():

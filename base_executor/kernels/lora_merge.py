@@ -30,21 +30,30 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_mats,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH: tl.constexpr,
                   ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
-    # grid: (max tiles of one matrix, matrices); program (p, i) writes tile p of matrix i:
+    # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i, where
+    # starts[i] <= p < starts[i + 1] (a binary search of SEARCH steps over the matrices' first tiles):
     #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
     # (O_i is W_i itself for a merge in place, or a copy's rows: each element read once, written once)
-    # Matrices are addressed as element offsets from base_ptr (one of the weights), so the
-    # ALIGN hint (offsets and row strides are multiples of ALIGN elements, checked by
-    # plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
+    # W, A and B are addressed as element offsets from base_ptr (one of the weights), O from out_ptr
+    # (base_ptr again, or the copies' arena), so the ALIGN hint (offsets and row strides are multiples
+    # of ALIGN elements, checked by plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
     pid = tl.program_id(0)
-    row = table_ptr + tl.program_id(1) * 12
+    lo = pid * 0
+    hi = lo + n_mats
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        go = tl.load(starts_ptr + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = table_ptr + lo * 12
     n_out = tl.load(row + 3)
     n_in = tl.load(row + 4)
     tiles_n = tl.cdiv(n_in, BLOCK_N)
-    if pid < tl.cdiv(n_out, BLOCK_M) * tiles_n:
+    tile = pid - tl.load(starts_ptr + lo)
+    if tile < tl.cdiv(n_out, BLOCK_M) * tiles_n:
         w_ptr = base_ptr + tl.multiple_of(tl.load(row + 0), ALIGN)
         a_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
         b_ptr = base_ptr + tl.load(row + 2)
@@ -53,10 +62,10 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
         stride_a = tl.multiple_of(tl.load(row + 7), ALIGN)
         stride_bo = tl.load(row + 8)
         stride_br = tl.load(row + 9)
-        o_ptr = base_ptr + tl.multiple_of(tl.load(row + 10), ALIGN)
+        o_ptr = out_ptr + tl.multiple_of(tl.load(row + 10), ALIGN)
         stride_o = tl.multiple_of(tl.load(row + 11), ALIGN)
-        offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < n_out
         n_ok = offs_n < n_in
@@ -72,7 +81,7 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
                 bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = mma(bt, at, acc, UPCAST)
-        s = tl.load(scale_ptr + tl.program_id(1)) * sign
+        s = tl.load(scale_ptr + lo) * sign
         w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
         o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
         if EVEN:
@@ -88,10 +97,12 @@ def _merge_kernel(base_ptr, table_ptr, scale_ptr, sign,
 class MergePlan:
     """All layers of one adapter, ready to be merged or unmerged in one launch."""
 
-    base: torch.Tensor    # weights[0]; the table's offsets count elements from its first one
+    base: torch.Tensor    # weights[0]; the table's w, a, b offsets count elements from its first one
     table: torch.Tensor   # [layers, 12] int64: w, a, b offsets; out, in, rank; strides w, a, b_out, b_r; o offset, o stride
+    starts: torch.Tensor  # [layers + 1] int32: each layer's first tile, then the tiles of all
     scales: torch.Tensor  # [layers] float32
-    max_tiles: int
+    tiles: int
+    arena: tuple | None   # (numel, dtype, device) of the arena the o offsets count from; None: from base
     align: int            # every W/A offset and row stride is a multiple of this many elements
     even: bool
     block_m: int
@@ -103,10 +114,13 @@ class MergePlan:
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
-               outs: Sequence[torch.Tensor] | None = None, block_m: int = 32, block_n: int = 256, block_r: int = 32,
-               num_warps: int = 4, num_stages: int = 3) -> MergePlan:
+               outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 32,
+               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
     scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).
+    With `arena` (a 1-D tensor every out is a view of), the plan holds the outs' places in it, not
+    their addresses: `merge_lora_(plan, arena)` then writes into that arena or any other of its size
+    and dtype (a plan made once for copies made anew at every merge).
 
     weights[i]: [out_i, in_i] (nn.Linear layout), contiguous along in_i.
     loras[i]: (A_i [r_i, in_i] contiguous along in_i, B_i [out_i, r_i] any strides
@@ -124,7 +138,15 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
         raise TypeError(f"weights must be bf16, fp16 or fp32, got {dtype}")
     base = weights[0]
     es = base.element_size()
-    rows, scales, tiles, even = [], [], 0, True
+    if arena is not None:
+        if arena.dim() != 1 or arena.dtype != dtype or arena.device != dev:
+            raise ValueError(f"the arena must be a 1-D {dtype} tensor on {dev}")
+        a0, a1 = arena.data_ptr(), arena.data_ptr() + arena.numel() * es
+        if any(o.numel() and not (a0 <= o.data_ptr() and o.data_ptr() + ((o.shape[0] - 1) * o.stride(0) + o.shape[1]) * es <= a1)
+               for o in outs):
+            raise ValueError("every output must lie in the arena")
+    out_base = base if arena is None else arena
+    rows, scales, starts, even = [], [], [0], True
     for i, (w, (a, b, scale), o) in enumerate(zip(weights, loras, outs)):
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
             raise ValueError(f"layer {i}: weight, A and B must be 2-D")
@@ -139,39 +161,56 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
             raise ValueError(f"layer {i}: the output must be {tuple(w.shape)} {dtype} on {dev}, got {tuple(o.shape)} {o.dtype} on {o.device}")
         if w.stride(1) != 1 or a.stride(1) != 1 or o.stride(1) != 1:
             raise ValueError(f"layer {i}: W, A and the output must be contiguous along the input dimension")
-        offs = [(t.data_ptr() - base.data_ptr()) for t in (w, a, b, o)]
+        offs = [(t.data_ptr() - base.data_ptr()) for t in (w, a, b)] + [o.data_ptr() - out_base.data_ptr()]
+        if not w.numel():  # (no tiles; an empty tensor's address is 0)
+            offs = [0, 0, 0, 0]
         if any(o % es for o in offs):
             raise ValueError(f"layer {i}: tensors are not aligned to their element size")
         even &= n_out % block_m == 0 and n_in % block_n == 0
         rows.append([offs[0] // es, offs[1] // es, offs[2] // es, n_out, n_in, r,
                      w.stride(0), a.stride(0), b.stride(0), b.stride(1), offs[3] // es, o.stride(0)])
         scales.append(float(scale))
-        tiles = max(tiles, triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
+        starts.append(starts[-1] + triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
+    if starts[-1] >= 2**31:
+        raise ValueError(f"{starts[-1]} tiles: more than one launch can address; use larger blocks")
     # 16-byte alignment of W/A rows (in elements), if every offset and stride allows it
     align = 16 // es
-    if any(v % align for row in rows for v in (row[0], row[1], row[6], row[7], row[10], row[11])) or base.data_ptr() % 16:
+    if (any(v % align for row in rows for v in (row[0], row[1], row[6], row[7], row[10], row[11]))
+            or base.data_ptr() % 16 or out_base.data_ptr() % 16):
         align = 1
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
-    keep = tuple(weights) + tuple(outs) + tuple(t for a, b, _ in loras for t in (a, b))
-    return MergePlan(base, table, torch.tensor(scales, dtype=torch.float32).to(dev), tiles, align, even,
+    keep = tuple(weights) + (tuple(outs) if arena is None else ()) + tuple(t for a, b, _ in loras for t in (a, b))
+    return MergePlan(base, table, torch.tensor(starts, dtype=torch.int32).to(dev), torch.tensor(scales, dtype=torch.float32).to(dev),
+                     starts[-1], None if arena is None else (arena.numel(), dtype, dev), align, even,
                      block_m, block_n, block_r, num_warps, num_stages, keep)
 
 
-def _apply(plan: MergePlan, sign: float) -> None:
-    _merge_kernel[(plan.max_tiles, plan.table.shape[0])](
-        plan.base, plan.table, plan.scales, sign, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        BLOCK_R=plan.block_r, ALIGN=plan.align, EVEN=plan.even, UPCAST=plan.base.device.type != "cuda",
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
+    if plan.arena is None:
+        if arena is not None:
+            raise ValueError("this plan writes where its outputs were given: it takes no arena")
+        out = plan.base
+    else:
+        if arena is None or (arena.dim(), arena.numel(), arena.dtype, arena.device) != (1, *plan.arena):
+            raise ValueError(f"this plan writes into an arena of {plan.arena[0]} {plan.arena[1]} elements on {plan.arena[2]}")
+        if plan.align > 1 and arena.data_ptr() % 16:
+            raise ValueError("the arena must start at a 16-byte boundary")
+        out = arena
+    n = plan.table.shape[0]
+    _merge_kernel[(plan.tiles,)](
+        plan.base, out, plan.table, plan.starts, plan.scales, sign, n, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_R=plan.block_r, SEARCH=max(1, (n - 1).bit_length()), ALIGN=plan.align, EVEN=plan.even,
+        UPCAST=plan.base.device.type != "cuda", num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
-def merge_lora_(plan: MergePlan) -> None:
-    """W += scale·B·A for every layer of the plan, in place, one launch."""
-    _apply(plan, 1.0)
+def merge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
+    """W += scale·B·A for every layer of the plan (into its outputs, or their places in `arena`), one launch."""
+    _apply(plan, 1.0, arena)
 
 
-def unmerge_lora_(plan: MergePlan) -> None:
+def unmerge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
     """W -= scale·B·A for every layer of the plan, in place, one launch."""
-    _apply(plan, -1.0)
+    _apply(plan, -1.0, arena)
 
 
 @dataclass(frozen=True, eq=False)
