@@ -32,6 +32,7 @@ def main() -> int:
                    "one run: kernel (one launch of the merge kernel for every adapted row), addmm (one per copy)")
     p.add_argument("--tiles", default="", help="also time the merge kernel alone on the same rows for each tiling, "
                    "comma list of BMxBNxBR/WARPS/STAGES (e.g. 32x256x32/4/3,64x256x64/8/3), beside one addmm per row")
+    p.add_argument("--profile", action="store_true", help="cProfile one more merge per path: the host's share of the switch")
     p.add_argument("--out", default="")
     a = p.parse_args()
     from transformers import AutoModelForCausalLM
@@ -57,30 +58,48 @@ def main() -> int:
                                             a=A.view(torch.uint8).numpy().tobytes(), b=B.view(torch.uint8).numpy().tobytes()))
     adapter = registry.host(0, pb.HostAdapterRequest(name="probe", weights=weights))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    nbytes = registry.merge(adapter.id).nbytes
+    registry.unmerge()
+    copies = []  # the floor first, its memory given back, so the merges below find their copies' block as an executor does
+    src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)  # one read, one write of as many bytes
+    for _ in range(a.repeat + 1):
+        sync()
+        t0 = time.perf_counter()
+        dst = src.clone()
+        sync()
+        copies.append(time.perf_counter() - t0)
+        del dst
+    del src
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    floor_ms = 1e3 * statistics.median(copies[1:])
     rows = []
     for path in a.paths.split(","):
         if path not in ("kernel", "addmm"):
             raise SystemExit(f"--paths: kernel or addmm, got {path!r}")
         registry.merge_kernel = path == "kernel"
-        merges, unmerges, copies = [], [], []
+        merges, unmerges = [], []
         for _ in range(a.repeat + 1):
             sync()
             t0 = time.perf_counter()
             merged = registry.merge(adapter.id)  # (synchronises a GPU before it returns)
             merges.append(time.perf_counter() - t0)
-            nbytes = merged.nbytes
             t0 = time.perf_counter()
             registry.unmerge()
             del merged
             unmerges.append(time.perf_counter() - t0)
-            src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)  # the floor: one read, one write
-            sync()
-            t0 = time.perf_counter()
-            dst = src.clone()
-            sync()
-            copies.append(time.perf_counter() - t0)
-            del src, dst
-        merge_ms, unmerge_ms, floor_ms = (1e3 * statistics.median(x[1:]) for x in (merges, unmerges, copies))
+        merge_ms, unmerge_ms = (1e3 * statistics.median(x[1:]) for x in (merges, unmerges))
+        if a.profile:
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.enable()
+            registry.merge(adapter.id)
+            profile.disable()
+            registry.unmerge()
+            print(f"one merge ({path}), where the host's time goes:")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         rows.append({"model": a.model, "rank": a.rank, "device": str(device), "dtype": a.dtype, "path": path,
                      "adapted_units": len(weights), "copies_mb": nbytes / 2**20, "merge_ms": merge_ms, "unmerge_ms": unmerge_ms,
                      "floor_ms": floor_ms, "merge_over_floor": merge_ms / floor_ms})
