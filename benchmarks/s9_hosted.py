@@ -61,7 +61,7 @@ def main() -> int:
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
-    workloads = [(f"top {s:.0%}", float(s)) for s in a.skews.split(",") if s] or [(f"zipf {a.zipf}", None)]
+    workloads = [(f"top {float(s):.0%}", float(s)) for s in a.skews.split(",") if s] or [(f"zipf {a.zipf}", None)]
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
               "--warmup", str(a.warmup)]
     rows = []
