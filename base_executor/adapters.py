@@ -176,6 +176,14 @@ def _arena_for(todo: list[tuple[Unit, list]], device: torch.device) -> tuple[tor
     return arena, [arena[a : a + u.weight.numel()].view(u.weight.shape) for a, (u, _) in zip(places, todo)]
 
 
+def _cached_plan(plans: dict, key) -> object | None:
+    """The plan `_merge_rows` kept for `key` (adapter id, its device deltas dict, the arena's size):
+    made for the same adapter's same device copies into an arena of the same layout, and covering
+    every adapted row; None if there is none."""
+    entry = plans.get(key[0])
+    return entry[2] if entry is not None and entry[0] is key[1] and entry[1] == key[2] else None
+
+
 def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: bool,
                 arena: torch.Tensor | None = None, plans: dict | None = None, key=None) -> None:
     """Writes out = served + scale B A (accumulated in float32, rounded once) for every (served
@@ -184,7 +192,7 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: b
     the unit, the least a copy can cost); the others, and all without it, by one addmm each (ATen
     writes such rows twice). With `arena` (every out row range a view of it), the kernel's plan holds
     the outs' places in the arena, so it serves every later merge of the same rows: `plans` keeps it
-    under `key` ((adapter id, its deltas dict, the arena's size); one entry, the last merged)."""
+    under `key` (see _cached_plan) when it wrote every row."""
     rest = parts
     if kernel:
         rows = [p for p in parts if p[0].stride(1) == 1 and p[1].stride(1) == 1]
@@ -192,17 +200,13 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: b
             if rows:
                 from symbiont.base_executor.kernels.lora_merge import merge_lora_, plan_merge
 
-                entry = plans.get(key[0]) if plans is not None and arena is not None else None
-                if entry is not None and entry[0] is key[1] and entry[1] == key[2]:
-                    plan = entry[2]
-                else:
-                    dtype = rows[0][0].dtype
-                    loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in rows]
-                    plan = plan_merge([w for w, _, _ in rows], loras, outs=[o for _, o, _ in rows], arena=arena)
-                    if plans is not None and arena is not None:
-                        plans.clear()
-                        plans[key[0]] = (key[1], key[2], plan)
+                dtype = rows[0][0].dtype
+                loras = [(d.a.to(dtype).contiguous(), d.b.to(dtype), d.scale) for _, _, d in rows]
+                plan = plan_merge([w for w, _, _ in rows], loras, outs=[o for _, o, _ in rows], arena=arena)
                 merge_lora_(plan, arena)
+                if plans is not None and arena is not None and len(rows) == len(parts):
+                    plans.clear()
+                    plans[key[0]] = (key[1], key[2], plan)
             rest = [p for p in parts if not (p[0].stride(1) == 1 and p[1].stride(1) == 1)]
         except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
             log.debug("merged copies by addmm: %s", e)
@@ -450,14 +454,21 @@ class AdapterRegistry:
                 todo.append((unit, [(0, unit.out_features, delta)]))
         kernel = self.device.type == "cuda" and self.merge_kernel
         arena, places = _arena_for(todo, self.device) if kernel else (None, [None] * len(todo))
+        key = (adapter.id, deltas, arena.numel() if arena is not None else 0)
+        plan = _cached_plan(self._merge_plans, key) if arena is not None else None
+        if plan is not None:  # the GPU writes the adapted rows while the host describes the copies below
+            from symbiont.base_executor.kernels.lora_merge import merge_lora_
+
+            merge_lora_(plan, arena)
         units: dict[str, Unit] = {}
         adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
         for (unit, parts), place in zip(todo, places):
-            merged = _merged_unit(unit, parts, adapted, place)
+            merged = _merged_unit(unit, parts, adapted, place)  # (rows no part adapts: copied here)
             units[unit.id] = merged
             if unit.members:
                 units.update((m.id, m) for m in merged.members if m.id in deltas)
-        _merge_rows(adapted, kernel=kernel, arena=arena, plans=self._merge_plans, key=(adapter.id, deltas, arena.numel() if arena is not None else 0))
+        if plan is None:
+            _merge_rows(adapted, kernel=kernel, arena=arena, plans=self._merge_plans, key=key)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

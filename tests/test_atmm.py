@@ -513,3 +513,45 @@ def test_gpu_merge_llama_layer_shapes():
         delta = s * (b.float() @ a.float())
         assert ((w.float() - w0.float()).abs() <= eps(w.dtype) * (2 * w0.float().abs() + delta.abs()) * 1.01
                 + 1e-6).all()
+
+
+@gpu
+@needs_cuda
+def test_a_registry_merge_again_reuses_its_plan_and_writes_the_same_copies():
+    """The executor's switch on a GPU: every projection of a small Llama adapted, the copies in one
+    arena; the second merge launches the kept plan before describing the copies and writes them bit
+    for bit as the first did, each within its bound of the exact copy; the served weights stay."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from symbiont.base_executor.adapters import AdapterRegistry
+    from symbiont.base_executor.catalog import UnitTable
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.codec import dtype_enum
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+    table = UnitTable(model)
+    registry = AdapterRegistry(table, torch.device("cuda"))
+    weights, exact = [], {}
+    for uid, unit in table.units.items():
+        if uid.rpartition(".")[2].endswith("_proj") and unit.kind == "linear" and not unit.members:
+            a = (torch.randn(16, unit.in_features) * 0.1).to(torch.bfloat16)
+            b = (torch.randn(unit.out_features, 16) * 0.1).to(torch.bfloat16)
+            exact[uid] = (unit.weight.clone(), a.cuda(), b.cuda())
+            weights.append(pb.AdapterWeight(unit=uid, rank=16, dtype=dtype_enum(torch.bfloat16), scale=2.0,
+                                            a=a.view(torch.uint8).numpy().tobytes(), b=b.view(torch.uint8).numpy().tobytes()))
+    adapter = registry.host(0, pb.HostAdapterRequest(name="all", weights=weights))
+    served = {uid: t.weight.clone() for uid, t in table.units.items() if t.weight is not None}
+    first = {uid: u.weight.clone() for uid, u in registry.merge(adapter.id).units.items()}
+    registry.unmerge()
+    assert registry._merge_plans, "the first merge kept no plan"
+    again = registry.merge(adapter.id).units
+    for uid, w in first.items():
+        assert torch.equal(again[uid].weight, w), uid
+    for uid, (w0, a, b) in exact.items():
+        ref = merge_ref(w0.clone(), a, b, 2.0)
+        assert ((again[uid].weight.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, 2.0)).all(), uid
+    for uid, w in served.items():
+        assert torch.equal(table.get(uid).weight, w), uid
