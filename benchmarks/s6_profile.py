@@ -129,6 +129,9 @@ def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib
     return median, top_frames(out / "tenant.txt"), top_frames(out / "executor.txt")
 
 
+OUR_PACKAGES = ("base_executor", "client", "proto", "symbiont")
+
+
 def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, within: str = "") -> str:
     """Share of samples per frame from py-spy's collapsed stacks: own (leaf) and inclusive; with
     `within`, only the stacks holding a frame of that name (one thread's loop)."""
@@ -150,7 +153,8 @@ def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, withi
     lines = [f"{total} samples{' in ' + within if within else ''}; own time:"]
     lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in own.most_common(n)]
     lines += ["inclusive, symbiont frames:"]
-    lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common() if str(repo) in f][:n]
+    ours = (str(repo),) + tuple(f"({d}/" for d in OUR_PACKAGES)  # (py-spy names files by path, or relative to sys.path)
+    lines += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common() if any(o in f for o in ours)][:n]
     return "\n".join(lines)
 
 
