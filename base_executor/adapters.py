@@ -232,7 +232,9 @@ class AdapterRegistry:
         self.merged: Merged | None = None
         self.dropped_merge = False  # the merged adapter was removed: its copies' graphs are still to drop
         self.merge_kernel = True  # a GPU's merged copies by the one-launch kernel, else an addmm each (probes/merge_switch.py)
-        self._merge_plans: dict[int, tuple] = {}  # the last merged adapter's kernel plan (_merge_rows)
+        # the last merged adapter's kernel plan (_merge_rows); it holds that adapter's device A and B
+        # (converted copies where the adapter's dtype is not the served one: uncounted by the pool, adapter-sized)
+        self._merge_plans: dict[int, tuple] = {}
         self._epoch = 0
 
     def __len__(self) -> int:
@@ -459,7 +461,12 @@ class AdapterRegistry:
         if plan is not None:  # the GPU writes the adapted rows while the host describes the copies below
             from symbiont.base_executor.kernels.lora_merge import merge_lora_
 
-            merge_lora_(plan, arena)
+            try:
+                merge_lora_(plan, arena)
+            except (ValueError, TypeError, RuntimeError) as e:  # (made anew below, by _merge_rows)
+                log.warning("merge of adapter %r: its kept plan failed (%s); planning again", adapter.name, e)
+                self._merge_plans.pop(adapter.id, None)
+                plan = None
         units: dict[str, Unit] = {}
         adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
         for (unit, parts), place in zip(todo, places):
@@ -469,6 +476,8 @@ class AdapterRegistry:
                 units.update((m.id, m) for m in merged.members if m.id in deltas)
         if plan is None:
             _merge_rows(adapted, kernel=kernel, arena=arena, plans=self._merge_plans, key=key)
+            if self._by_id.get(adapter.id) is not adapter:  # (removed meanwhile: _drop may have run before the plan was kept)
+                self._merge_plans.pop(adapter.id, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # (the switch's time is the copies' time)
         self._epoch += 1

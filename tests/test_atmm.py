@@ -267,11 +267,13 @@ def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype):
         plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 95, device=DEV, dtype=dtype)])
 
 
-def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
+@pytest.mark.parametrize("w_first", [False, True], ids=["w-after", "w-first"])
+def test_a_plan_into_an_arena_serves_any_arena_of_its_size(w_first):
     """arena=: the plan holds the copies' places in one block, not their addresses, so it writes
     the same copies into a new block at the next merge (the executor plans once per adapter); many
-    matrices of several shapes (the launch finds each tile's matrix by a search), one of them empty."""
-    shapes = [(64, 96), (40, 96), (96, 40), (0, 96), (32, 64), (64, 128), (8, 96), (96, 96), (16, 40)]
+    matrices of several shapes (the launch finds each tile's matrix by a search), empty ones first,
+    between and last."""
+    shapes = [(0, 96), (64, 96), (40, 96), (96, 40), (0, 96), (0, 64), (32, 64), (64, 128), (8, 96), (96, 96), (16, 40), (0, 40)]
     weights, loras = merge_layers(shapes, 16, torch.bfloat16)
     refs = [merge_ref(w.clone(), a, b, s) for w, (a, b, s) in zip(weights, loras)]
     places, at = [], 128  # (the first copy not at the arena's start)
@@ -280,7 +282,7 @@ def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
         at += -(-(n_out * n_in) // 128) * 128
     views = lambda arena: [arena[p : p + n * k].view(n, k) for p, (n, k) in zip(places, shapes)]  # noqa: E731
     first = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
-    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16)
+    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16, w_first=w_first)
     merge_lora_(plan, first)
     second = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
     merge_lora_(plan, second)
@@ -292,6 +294,8 @@ def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
         merge_lora_(plan, torch.empty(at + 1, device=DEV, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="arena of"):
         merge_lora_(plan)
+    with pytest.raises(ValueError, match="arena of"):  # (a strided view of as many elements)
+        merge_lora_(plan, torch.empty(2 * at, device=DEV, dtype=torch.bfloat16)[::2])
     with pytest.raises(ValueError, match="takes no arena"):
         merge_lora_(plan_merge(weights, loras, block_m=32, block_n=32, block_r=16), first)
     with pytest.raises(ValueError, match="lie in the arena"):

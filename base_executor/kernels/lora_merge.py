@@ -147,8 +147,8 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     base = weights[0]
     es = base.element_size()
     if arena is not None:
-        if arena.dim() != 1 or arena.dtype != dtype or arena.device != dev:
-            raise ValueError(f"the arena must be a 1-D {dtype} tensor on {dev}")
+        if arena.dim() != 1 or arena.dtype != dtype or arena.device != dev or not arena.is_contiguous():
+            raise ValueError(f"the arena must be a contiguous 1-D {dtype} tensor on {dev}")
         a0, a1 = arena.data_ptr(), arena.data_ptr() + arena.numel() * es
         if any(o.numel() and not (a0 <= o.data_ptr() and o.data_ptr() + ((o.shape[0] - 1) * o.stride(0) + o.shape[1]) * es <= a1)
                for o in outs):
@@ -199,7 +199,7 @@ def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
             raise ValueError("this plan writes where its outputs were given: it takes no arena")
         out = plan.base
     else:
-        if arena is None or (arena.dim(), arena.numel(), arena.dtype, arena.device) != (1, *plan.arena):
+        if arena is None or (arena.dim(), arena.numel(), arena.dtype, arena.device) != (1, *plan.arena) or not arena.is_contiguous():
             raise ValueError(f"this plan writes into an arena of {plan.arena[0]} {plan.arena[1]} elements on {plan.arena[2]}")
         if plan.align > 1 and arena.data_ptr() % 16:
             raise ValueError("the arena must start at a 16-byte boundary")
@@ -217,7 +217,8 @@ def merge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
 
 
 def unmerge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
-    """W -= scale·B·A for every layer of the plan, in place, one launch."""
+    """W -= scale·B·A for every layer of the plan (in place; a plan with outputs writes W - scale·B·A
+    into them, or their places in `arena`), one launch."""
     _apply(plan, -1.0, arena)
 
 
