@@ -39,6 +39,11 @@ MASKED_KINDS = ("linear", "conv1d")
 # dtype: float32 copies of a big input and reply cost more than the GEMMs (the tenant's masking at
 # 4096 x 2048 bf16 on the 2-core VM: 62 ms with them); below it the casts cost more than they save.
 LOW_NOISE_MIN = 1 << 18
+# Below this many values a CPU call's two masking GEMMs ([tokens, k] by [k, d]) run on one thread:
+# MKL splits even these over its threads, and waking sleeping OpenMP threads (OMP_WAIT_POLICY=PASSIVE,
+# as the README asks of CPU tenants) costs more than the GEMM (16 x 2048, k = 16, float32, 2-core VM:
+# 14 us on one thread, 54 on two).
+ONE_THREAD_MAX = 1 << 18
 SCRATCH_MAX_BYTES = 64 << 20  # the largest masked CPU input kept in memory reused between calls
 
 
@@ -130,10 +135,21 @@ class NoiseMask:
 
     def call(self, ref, x: torch.Tensor, op: int, send):
         """`op` of ref's unit on x, masked, through send(v, take) -> take(the reply to v) (the
-        transport's call: take reads the reply where it lies); None when this call is not masked."""
+        transport's call: take reads the reply where it lies); None when this call is not masked.
+        A small CPU call runs on this thread alone (ONE_THREAD_MAX), its reply included."""
         if ref._kind not in MASKED_KINDS or op == pb.FORWARD_NO_BIAS or (op == pb.BACKWARD and not self.backward) or not x.numel():
             return None  # (an empty input, an expert no token chose, carries nothing to hide)
         u = self._unit(ref, x.device)
+        threads = torch.get_num_threads()  # (this thread's: OpenMP's count is per thread; restored as it was)
+        if x.device.type != "cpu" or x.numel() >= ONE_THREAD_MAX or threads == 1:
+            return self._masked(u, x, op, send)
+        torch.set_num_threads(1)
+        try:
+            return self._masked(u, x, op, send)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _masked(self, u: "_UnitNoise", x: torch.Tensor, op: int, send):
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
         rows = x.reshape(-1, x.shape[-1])
         low = x.dtype != torch.float32 and rows.numel() >= LOW_NOISE_MIN

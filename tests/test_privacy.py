@@ -9,6 +9,7 @@ import torch
 
 from symbiont import connect, virtualize
 from symbiont.base_executor.models import build_builtin
+from symbiont.client import privacy
 from symbiont.client.privacy import NoiseMask
 from symbiont.proto import executor_pb2 as pb
 from tests.conftest import running_executor
@@ -90,6 +91,40 @@ def test_the_executor_sees_fresh_noise_never_the_input(executor):
         basis = mask._units[unit].n
         coef = torch.linalg.lstsq(basis.T, n.T).solution  # in the span of the unit's basis
         torch.testing.assert_close(coef.T @ basis, n, rtol=1e-4, atol=1e-4)
+
+
+def test_a_small_masked_call_runs_on_one_thread_and_gives_the_threads_back(executor):
+    """A small CPU call's masking (and its reply's) runs on the calling thread alone (sleeping
+    OpenMP threads cost more to wake than its GEMMs); the thread count is as it was afterwards, also
+    when the call fails; a large call keeps every thread."""
+    ref = build_builtin("tiny-llama")
+    unit = "model.layers.0.self_attn.o_proj"
+    w = ref.get_submodule(unit).weight.detach()
+    mask = NoiseMask(scale=1.0, rank=4, effects="local", weights=ref.state_dict())
+    virt = virtualize(build_builtin("tiny-llama"), connect(executor.url), mask=mask, fuse=False)
+    shim = virt.get_submodule(unit)
+    threads, seen = torch.get_num_threads(), []
+    torch.set_num_threads(2)
+    try:
+        def send(v, take):
+            seen.append(torch.get_num_threads())
+            return shim.transport.call(unit, pb.FORWARD, v, (*v.shape[:-1], w.shape[0]), torch.float32, pb.INFERENCE, take)
+
+        x = torch.randn(5, w.shape[1])
+        torch.testing.assert_close(mask.call(shim, x, pb.FORWARD, send), x @ w.T, rtol=1e-5, atol=1e-5)
+        assert seen == [1] and torch.get_num_threads() == 2
+
+        def fails(v, take):
+            raise RuntimeError("the transport failed")
+
+        with pytest.raises(RuntimeError, match="transport failed"):
+            mask.call(shim, x, pb.FORWARD, fails)
+        assert torch.get_num_threads() == 2
+        big = torch.randn(-(-privacy.ONE_THREAD_MAX // w.shape[1]), w.shape[1])
+        torch.testing.assert_close(mask.call(shim, big, pb.FORWARD, send), big @ w.T, rtol=1e-4, atol=1e-4)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_local_effects_cost_the_executor_no_call_and_whole_mlp_calls_stop():
