@@ -64,15 +64,22 @@ def test_masked_training_after_inference_mode_and_empty_inputs(executor):
         assert q(torch.empty(0, 64)).shape == (0, q._d_out)
 
 
+UNIT = "model.layers.0.self_attn.o_proj"
+
+
+def masked_o_proj(url: str, scale: float):
+    """tiny-llama's first o_proj: its weight, a rank-4 mask with local effects, the unit's shim."""
+    ref = build_builtin("tiny-llama")
+    mask = NoiseMask(scale=scale, rank=4, effects="local", weights=ref.state_dict())
+    virt = virtualize(build_builtin("tiny-llama"), connect(url), mask=mask, fuse=False)
+    return ref.get_submodule(UNIT).weight.detach(), mask, virt.get_submodule(UNIT)
+
+
 def test_the_executor_sees_fresh_noise_never_the_input(executor):
     """Each call's input as it is sent: noise of the asked RMS, in the unit's noise basis, new
     for every call of the same input; the reply, once the effect is removed, is the unit's."""
-    ref = build_builtin("tiny-llama")
-    unit = "model.layers.0.self_attn.o_proj"
-    w = ref.get_submodule(unit).weight.detach()
-    mask = NoiseMask(scale=2.0, rank=4, effects="local", weights=ref.state_dict())
-    virt = virtualize(build_builtin("tiny-llama"), connect(executor.url), mask=mask, fuse=False)
-    shim = virt.get_submodule(unit)
+    unit = UNIT
+    w, mask, shim = masked_o_proj(executor.url, 2.0)
     sent = []
 
     def send(v, take):
@@ -97,12 +104,8 @@ def test_a_small_masked_call_runs_on_one_thread_and_gives_the_threads_back(execu
     """A small CPU call's masking (and its reply's) runs on the calling thread alone (sleeping
     OpenMP threads cost more to wake than its GEMMs); the thread count is as it was afterwards, also
     when the call fails; a large call keeps every thread."""
-    ref = build_builtin("tiny-llama")
-    unit = "model.layers.0.self_attn.o_proj"
-    w = ref.get_submodule(unit).weight.detach()
-    mask = NoiseMask(scale=1.0, rank=4, effects="local", weights=ref.state_dict())
-    virt = virtualize(build_builtin("tiny-llama"), connect(executor.url), mask=mask, fuse=False)
-    shim = virt.get_submodule(unit)
+    unit = UNIT
+    w, mask, shim = masked_o_proj(executor.url, 1.0)
     threads, seen = torch.get_num_threads(), []
     torch.set_num_threads(2)
     try:
