@@ -123,9 +123,9 @@ def main() -> int:
                                          *(["--dtype", "float32"] if a.cpu else []), log_dir=out)
         print(f"executor {name} over {a.gpus} GPUs ready in {time.monotonic() - t0:.0f} s", flush=True)
         try:
+            tensor = "--placement" in flags and flags[flags.index("--placement") + 1:][:1] == ["tensor"]
             for k in ks:
                 who = f"symbiont {name} x{a.gpus}"
-                tensor = "--placement" in flags and flags[flags.index("--placement") + 1:][:1] == ["tensor"]
                 # (under layer placement each rank serves its own name too; under tensor placement rank 0 alone)
                 rank_urls = [url] + ([] if tensor else [f"{url}.r{r}" for r in range(1, a.gpus)])
                 before = [fleet.executor_stats(u) for u in rank_urls]

@@ -267,8 +267,7 @@ def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype):
         plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 95, device=DEV, dtype=dtype)])
 
 
-@pytest.mark.parametrize("w_first", [False, True], ids=["w-after", "w-first"])
-def test_a_plan_into_an_arena_serves_any_arena_of_its_size(w_first):
+def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
     """arena=: the plan holds the copies' places in one block, not their addresses, so it writes
     the same copies into a new block at the next merge (the executor plans once per adapter); many
     matrices of several shapes (the launch finds each tile's matrix by a search), empty ones first,
@@ -282,7 +281,7 @@ def test_a_plan_into_an_arena_serves_any_arena_of_its_size(w_first):
         at += -(-(n_out * n_in) // 128) * 128
     views = lambda arena: [arena[p : p + n * k].view(n, k) for p, (n, k) in zip(places, shapes)]  # noqa: E731
     first = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
-    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16, w_first=w_first)
+    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16)
     merge_lora_(plan, first)
     second = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
     merge_lora_(plan, second)

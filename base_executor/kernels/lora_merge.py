@@ -32,7 +32,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_mats,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH: tl.constexpr,
-                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, W_FIRST: tl.constexpr):
+                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
     # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i, where
     # starts[i] <= p < starts[i + 1] (a binary search of SEARCH steps over the matrices' first tiles):
     #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
@@ -69,12 +69,6 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
         offs_r = tl.arange(0, BLOCK_R)
         m_ok = offs_m < n_out
         n_ok = offs_n < n_in
-        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
-        if W_FIRST:  # W's tile asked for before the product, its latency under A's and B's
-            if EVEN:
-                wt = tl.load(w_ptrs)
-            else:
-                wt = tl.load(w_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             r_ok = (r0 + offs_r) < rank
@@ -88,16 +82,15 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = mma(bt, at, acc, UPCAST)
         s = tl.load(scale_ptr + lo) * sign
+        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
         o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-        if not W_FIRST:
-            if EVEN:
-                wt = tl.load(w_ptrs)
-            else:
-                wt = tl.load(w_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         if EVEN:
-            tl.store(o_ptrs, (wt.to(tl.float32) + s * acc).to(base_ptr.dtype.element_ty))
+            wt = tl.load(w_ptrs).to(tl.float32)
+            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
         else:
-            tl.store(o_ptrs, (wt.to(tl.float32) + s * acc).to(base_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            mask = m_ok[:, None] & n_ok[None, :]
+            wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,13 +110,12 @@ class MergePlan:
     block_r: int
     num_warps: int
     num_stages: int
-    w_first: bool
     keep: tuple           # the tensors whose addresses the table holds
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 32,
-               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3, w_first: bool = False) -> MergePlan:
+               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
     scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).
     With `arena` (a 1-D tensor every out is a view of), the plan holds the outs' places in it, not
@@ -190,7 +182,7 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     keep = tuple(weights) + (tuple(outs) if arena is None else ()) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(starts, dtype=torch.int32).to(dev), torch.tensor(scales, dtype=torch.float32).to(dev),
                      starts[-1], None if arena is None else (arena.numel(), dtype, dev), align, even,
-                     block_m, block_n, block_r, num_warps, num_stages, w_first, keep)
+                     block_m, block_n, block_r, num_warps, num_stages, keep)
 
 
 def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
@@ -208,7 +200,7 @@ def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
     _merge_kernel[(plan.tiles,)](
         plan.base, out, plan.table, plan.starts, plan.scales, sign, n, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_R=plan.block_r, SEARCH=max(1, (n - 1).bit_length()), ALIGN=plan.align, EVEN=plan.even,
-        UPCAST=plan.base.device.type != "cuda", W_FIRST=plan.w_first, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        UPCAST=plan.base.device.type != "cuda", num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def merge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
