@@ -248,16 +248,21 @@ def test_merge_then_unmerge_restores_weights(dtype):
         assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
 
 
+@pytest.mark.parametrize("rows", [0, 2], ids=["tile", "held-A"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype):
+def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows):
     """outs=: each copy gets its weight plus the adapter's delta (as a merge in place would), the
-    weights stay bit for bit, and copies may be row ranges of a bigger matrix (a fused group's)."""
+    weights stay bit for bit, and copies may be row ranges of a bigger matrix (a fused group's);
+    with group=, one program writes several row tiles under one A block."""
     shapes = [(64, 96), (40, 96), (96, 40)]
     weights, loras = merge_layers(shapes, 24, dtype)
     originals = [w.clone() for w in weights]
     group = torch.full((64 + 40 + 8, 96), float("nan"), device=DEV, dtype=dtype)  # (rows 104.. stay untouched)
     outs = [group[:64], group[64:104], torch.empty(96, 40, device=DEV, dtype=dtype)]
-    merge_lora_(plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16))
+    if rows:
+        with pytest.raises(ValueError, match="block_r 16 must cover every rank"):
+            plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16, group=rows)
+    merge_lora_(plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=32 if rows else 16, group=rows))
     for w, w0, o, (a, b, s) in zip(weights, originals, outs, loras):
         assert torch.equal(w, w0)
         ref = merge_ref(w0.clone(), a, b, s)

@@ -32,7 +32,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_mats,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH: tl.constexpr,
-                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):
+                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, TILE_ROWS: tl.constexpr):
     # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i, where
     # starts[i] <= p < starts[i + 1] (a binary search of SEARCH steps over the matrices' first tiles):
     #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
@@ -53,7 +53,7 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
     n_in = tl.load(row + 4)
     tiles_n = tl.cdiv(n_in, BLOCK_N)
     tile = pid - tl.load(starts_ptr + lo)
-    if tile < tl.cdiv(n_out, BLOCK_M) * tiles_n:
+    if tile < tl.cdiv(n_out, TILE_ROWS) * tiles_n:
         w_ptr = base_ptr + tl.multiple_of(tl.load(row + 0), ALIGN)
         a_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
         b_ptr = base_ptr + tl.load(row + 2)
@@ -64,33 +64,59 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
         stride_br = tl.load(row + 9)
         o_ptr = out_ptr + tl.multiple_of(tl.load(row + 10), ALIGN)
         stride_o = tl.multiple_of(tl.load(row + 11), ALIGN)
-        offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        s = tl.load(scale_ptr + lo) * sign
         offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
-        m_ok = offs_m < n_out
         n_ok = offs_n < n_in
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            r_ok = (r0 + offs_r) < rank
-            b_ptrs = b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br  # [BM, BR]
-            a_ptrs = a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :]               # [BR, BN]
-            if EVEN:  # no column mask: keeps A's row loads 16 bytes wide
-                bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
-                at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+        if GROUP > 0:
+            # GROUP row tiles under one column block: A's [rank, BLOCK_N] block (BLOCK_R >= rank) loaded
+            # once and held, so each W tile costs only B's rows on top of itself
+            r_ok = offs_r < rank
+            if EVEN:
+                at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None], other=0.0)
             else:
-                bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-                at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = mma(bt, at, acc, UPCAST)
-        s = tl.load(scale_ptr + lo) * sign
-        w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
-        o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-        if EVEN:
-            wt = tl.load(w_ptrs).to(tl.float32)
-            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
+                at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            for g in range(GROUP):
+                offs_m = ((tile // tiles_n) * GROUP + g) * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < n_out
+                b_ptrs = b_ptr + offs_m[:, None] * stride_bo + offs_r[None, :] * stride_br
+                w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+                o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+                if EVEN:
+                    bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+                    acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
+                    wt = tl.load(w_ptrs).to(tl.float32)
+                    tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
+                else:
+                    bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                    acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
+                    mask = m_ok[:, None] & n_ok[None, :]
+                    wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
         else:
-            mask = m_ok[:, None] & n_ok[None, :]
-            wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
+            offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < n_out
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                r_ok = (r0 + offs_r) < rank
+                b_ptrs = b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br  # [BM, BR]
+                a_ptrs = a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :]               # [BR, BN]
+                if EVEN:  # no column mask: keeps A's row loads 16 bytes wide
+                    bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+                    at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+                else:
+                    bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                    at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = mma(bt, at, acc, UPCAST)
+            w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
+            o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
+            if EVEN:
+                wt = tl.load(w_ptrs).to(tl.float32)
+                tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
+            else:
+                mask = m_ok[:, None] & n_ok[None, :]
+                wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,12 +136,13 @@ class MergePlan:
     block_r: int
     num_warps: int
     num_stages: int
+    group: int            # 0: a tile's A block loaded per tile; G: G row tiles under one held A block
     keep: tuple           # the tensors whose addresses the table holds
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 32,
-               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3) -> MergePlan:
+               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3, group: int = 0) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
     scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).
     With `arena` (a 1-D tensor every out is a view of), the plan holds the outs' places in it, not
@@ -127,6 +154,8 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     (lora_B.weight, or a pool's b_rows[...].t()), scale_i). Same dtype as the weight.
     outs[i]: the weight's shape and dtype, contiguous along in_i; unmerging such a plan subtracts.
     The plan holds the addresses: keep the tensors alive and in place.
+    group > 0: each program writes `group` row tiles of one column block, A's block held once for all
+    of them (block_r must cover every rank).
     """
     if len(weights) != len(loras) or not weights:
         raise ValueError(f"need one (A, B, scale) per weight: {len(weights)} weights, {len(loras)} adapters")
@@ -146,6 +175,9 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
                for o in outs):
             raise ValueError("every output must lie in the arena")
     out_base = base if arena is None else arena
+    if group and any(a.shape[0] > block_r for a, _, _ in loras):
+        raise ValueError(f"group {group} holds A's block whole: block_r {block_r} must cover every rank")
+    tile_rows = block_m * max(group, 1)
     rows, scales, starts, even = [], [], [0], True
     for i, (w, (a, b, scale), o) in enumerate(zip(weights, loras, outs)):
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
@@ -166,11 +198,11 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
             offs = [0, 0, 0, 0]
         if any(o % es for o in offs):
             raise ValueError(f"layer {i}: tensors are not aligned to their element size")
-        even &= n_out % block_m == 0 and n_in % block_n == 0
+        even &= n_out % tile_rows == 0 and n_in % block_n == 0
         rows.append([offs[0] // es, offs[1] // es, offs[2] // es, n_out, n_in, r,
                      w.stride(0), a.stride(0), b.stride(0), b.stride(1), offs[3] // es, o.stride(0)])
         scales.append(float(scale))
-        starts.append(starts[-1] + triton.cdiv(n_out, block_m) * triton.cdiv(n_in, block_n))
+        starts.append(starts[-1] + triton.cdiv(n_out, tile_rows) * triton.cdiv(n_in, block_n))
     if starts[-1] >= 2**31:
         raise ValueError(f"{starts[-1]} tiles: more than one launch can address; use larger blocks")
     # 16-byte alignment of W/A rows (in elements), if every offset and stride allows it
@@ -182,7 +214,7 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     keep = tuple(weights) + (tuple(outs) if arena is None else ()) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(starts, dtype=torch.int32).to(dev), torch.tensor(scales, dtype=torch.float32).to(dev),
                      starts[-1], None if arena is None else (arena.numel(), dtype, dev), align, even,
-                     block_m, block_n, block_r, num_warps, num_stages, keep)
+                     block_m, block_n, block_r, num_warps, num_stages, group, keep)
 
 
 def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
@@ -200,7 +232,8 @@ def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
     _merge_kernel[(plan.tiles,)](
         plan.base, out, plan.table, plan.starts, plan.scales, sign, n, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_R=plan.block_r, SEARCH=max(1, (n - 1).bit_length()), ALIGN=plan.align, EVEN=plan.even,
-        UPCAST=plan.base.device.type != "cuda", num_warps=plan.num_warps, num_stages=plan.num_stages)
+        UPCAST=plan.base.device.type != "cuda", GROUP=plan.group, TILE_ROWS=plan.block_m * max(plan.group, 1),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
 def merge_lora_(plan: MergePlan, arena: torch.Tensor | None = None) -> None:
