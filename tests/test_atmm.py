@@ -248,21 +248,27 @@ def test_merge_then_unmerge_restores_weights(dtype):
         assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
 
 
+@pytest.mark.parametrize("peft_b", [False, True], ids=["b-mixed", "b-peft"])
 @pytest.mark.parametrize("rows", [0, 2], ids=["tile", "held-A"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=["bf16", "fp16", "fp32"])
-def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows):
+def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows, peft_b):
     """outs=: each copy gets its weight plus the adapter's delta (as a merge in place would), the
     weights stay bit for bit, and copies may be row ranges of a bigger matrix (a fused group's);
-    with group=, one program writes several row tiles under one A block."""
+    with group=, one program writes several row tiles under one A block; B in PEFT's layout alone
+    (contiguous along the rank) is loaded by rows."""
     shapes = [(64, 96), (40, 96), (96, 40)]
     weights, loras = merge_layers(shapes, 24, dtype)
+    if peft_b:
+        loras = [(a, b.contiguous(), s) for a, b, s in loras]
     originals = [w.clone() for w in weights]
     group = torch.full((64 + 40 + 8, 96), float("nan"), device=DEV, dtype=dtype)  # (rows 104.. stay untouched)
     outs = [group[:64], group[64:104], torch.empty(96, 40, device=DEV, dtype=dtype)]
     if rows:
         with pytest.raises(ValueError, match="block_r 16 must cover every rank"):
             plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16, group=rows)
-    merge_lora_(plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=32 if rows else 16, group=rows))
+    plan = plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=32 if rows else 16, group=rows)
+    assert plan.b_align == (8 // (dtype.itemsize // 2) if peft_b else 0)  # (24 elements a row: 16-byte multiples)
+    merge_lora_(plan)
     for w, w0, o, (a, b, s) in zip(weights, originals, outs, loras):
         assert torch.equal(w, w0)
         ref = merge_ref(w0.clone(), a, b, s)

@@ -32,7 +32,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_mats,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH: tl.constexpr,
-                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, TILE_ROWS: tl.constexpr):
+                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, TILE_ROWS: tl.constexpr,
+                  B_ALIGN: tl.constexpr):
     # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i, where
     # starts[i] <= p < starts[i + 1] (a binary search of SEARCH steps over the matrices' first tiles):
     #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
@@ -40,6 +41,8 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
     # W, A and B are addressed as element offsets from base_ptr (one of the weights), O from out_ptr
     # (base_ptr again, or the copies' arena), so the ALIGN hint (offsets and row strides are multiples
     # of ALIGN elements, checked by plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
+    # B_ALIGN > 0: every B is contiguous along its rank (lora_B.weight's layout), its offset and row stride
+    # multiples of B_ALIGN: said to the compiler, B's rows load as wide vectors, not element by element.
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + n_mats
@@ -56,12 +59,17 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
     if tile < tl.cdiv(n_out, TILE_ROWS) * tiles_n:
         w_ptr = base_ptr + tl.multiple_of(tl.load(row + 0), ALIGN)
         a_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
-        b_ptr = base_ptr + tl.load(row + 2)
+        if B_ALIGN > 0:
+            b_ptr = base_ptr + tl.multiple_of(tl.load(row + 2), B_ALIGN)
+            stride_bo = tl.multiple_of(tl.load(row + 8), B_ALIGN)
+            stride_br = 1
+        else:
+            b_ptr = base_ptr + tl.load(row + 2)
+            stride_bo = tl.load(row + 8)
+            stride_br = tl.load(row + 9)
         rank = tl.load(row + 5)
         stride_w = tl.multiple_of(tl.load(row + 6), ALIGN)
         stride_a = tl.multiple_of(tl.load(row + 7), ALIGN)
-        stride_bo = tl.load(row + 8)
-        stride_br = tl.load(row + 9)
         o_ptr = out_ptr + tl.multiple_of(tl.load(row + 10), ALIGN)
         stride_o = tl.multiple_of(tl.load(row + 11), ALIGN)
         s = tl.load(scale_ptr + lo) * sign
@@ -137,6 +145,7 @@ class MergePlan:
     num_warps: int
     num_stages: int
     group: int            # 0: a tile's A block loaded per tile; G: G row tiles under one held A block
+    b_align: int          # > 0: every B contiguous along its rank, offsets and row strides multiples of it
     keep: tuple           # the tensors whose addresses the table holds
 
 
@@ -210,11 +219,15 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     if (any(v % align for row in rows for v in (row[0], row[1], row[6], row[7], row[10], row[11]))
             or base.data_ptr() % 16 or out_base.data_ptr() % 16):
         align = 1
+    # B rows contiguous along the rank (PEFT's lora_B.weight): 16-byte aligned where offsets and strides allow
+    b_align = 0
+    if all(b.stride(1) == 1 or b.shape[1] == 1 for _, b, _ in loras):
+        b_align = 16 // es if not any(v % (16 // es) for row in rows for v in (row[2], row[8])) and base.data_ptr() % 16 == 0 else 1
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
     keep = tuple(weights) + (tuple(outs) if arena is None else ()) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(starts, dtype=torch.int32).to(dev), torch.tensor(scales, dtype=torch.float32).to(dev),
                      starts[-1], None if arena is None else (arena.numel(), dtype, dev), align, even,
-                     block_m, block_n, block_r, num_warps, num_stages, group, keep)
+                     block_m, block_n, block_r, num_warps, num_stages, group, b_align, keep)
 
 
 def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
@@ -233,6 +246,7 @@ def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
         plan.base, out, plan.table, plan.starts, plan.scales, sign, n, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_R=plan.block_r, SEARCH=max(1, (n - 1).bit_length()), ALIGN=plan.align, EVEN=plan.even,
         UPCAST=plan.base.device.type != "cuda", GROUP=plan.group, TILE_ROWS=plan.block_m * max(plan.group, 1),
+        B_ALIGN=plan.b_align,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
