@@ -9,7 +9,9 @@ for `go` on stdin, then works until `--seconds` have passed and prints one JSON 
 
 - finetune: LoRA steps of `--batch` x `--seq` random tokens with AdamW; the end time of every step.
 - infer: greedy `generate` of `--new-tokens` after a `--prompt`-token prompt at batch 1, again and
-  again; the time of every generated token (a logits processor sees each step).
+  again; the time of every generated token (a logits processor sees each step). `--compile MODE`:
+  generate with a static KV cache and its forward compiled by torch.compile in that mode ("default":
+  fused kernels; "reduce-overhead": CUDA graphs too, which a tenant's unit calls stay out of).
 - infer-mixed: one process generating for `--adapters` tenants at once, each row its own adapter
   (PEFT mixed-adapter batching): the baseline of S3 beside N processes.
 
@@ -151,6 +153,10 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (rows, a.prompt), generator=g).to(a.device)
     kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
+    if a.compile:
+        from transformers import CompileConfig
+
+        kw.update(cache_implementation="static", compile_config=CompileConfig(mode=a.compile))
     if adapter_names is not None:
         kw["adapter_names"] = adapter_names
 
@@ -188,6 +194,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--adapters", type=int, default=1, help="infer-mixed: how many adapters (rows) one process serves")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", default="", choices=["", "default", "reduce-overhead"],
+                   help="infer: a static KV cache and generate's forward compiled in this torch.compile mode (none: eager)")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", help="plain and fsdp: the model's dtype")

@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
                    help="how every process and tenant (not the executor) waits for its GPU (fleet_worker.py)")
+    p.add_argument("--compile", default="", choices=["", "default", "reduce-overhead"],
+                   help="every process and tenant generates with a static KV cache and a compiled forward (fleet_worker.py)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
@@ -57,7 +59,8 @@ def main() -> int:
         timelines[f"{who} n={n}"] = {key: v for key, v in s.items() if key != "results"}
     mixed = [] if a.mixed == "none" else [int(n) for n in a.mixed.split(",")] if a.mixed else ns
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
-              "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj", "--cuda-waits", a.cuda_waits]
+              "--warmup", str(a.warmup), "--targets", "q_proj,k_proj,v_proj,o_proj", "--cuda-waits", a.cuda_waits,
+              *(["--compile", a.compile] if a.compile else [])]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
     for n in ns:
@@ -118,7 +121,8 @@ def main() -> int:
                     profiled(workers, f"symbiont {policy}", n, (proc, ex_profile))
         finally:
             fleet.stop(proc)
-    print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
+    print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows"
+          + (f", every forward compiled (mode {a.compile}, static KV cache)" if a.compile else ""))
     print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}")
     for r in rows:
         cpb = r.get("batches", {}).get("calls_per_batch")
