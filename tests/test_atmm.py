@@ -225,7 +225,7 @@ def test_merge_then_unmerge_restores_weights(dtype):
     weights, loras = merge_layers(shapes, 24, dtype)
     originals = [w.clone() for w in weights]
     even = [(64, 128), (128, 64)]
-    plan = plan_merge(weights, loras, block_m=32, block_n=32, block_r=16)
+    plan = plan_merge(weights, loras, block_m=32, block_n=32, group=1)
     assert not plan.even
     merge_lora_(plan)
     for w, w0, (a, b, s) in zip(weights, originals, loras):
@@ -240,7 +240,7 @@ def test_merge_then_unmerge_restores_weights(dtype):
         assert ((w.float() - w0.float()).abs() <= bound).all(), "unmerge did not restore the weights"
     ew, el = merge_layers(even, 8, torch.bfloat16)
     originals_even = [w.clone() for w in ew]
-    eplan = plan_merge(ew, el, block_m=32, block_n=32, block_r=16)
+    eplan = plan_merge(ew, el, block_m=32, block_n=32, group=2)
     assert eplan.even and eplan.align == 8  # 16-byte rows: vectorised path
     refs = [merge_ref(w.clone(), a, b, s) for w, (a, b, s) in zip(ew, el)]
     merge_lora_(eplan)
@@ -249,12 +249,12 @@ def test_merge_then_unmerge_restores_weights(dtype):
 
 
 @pytest.mark.parametrize("peft_b", [False, True], ids=["b-mixed", "b-peft"])
-@pytest.mark.parametrize("rows", [0, 2], ids=["tile", "held-A"])
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-tile", "two-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows, peft_b):
     """outs=: each copy gets its weight plus the adapter's delta (as a merge in place would), the
     weights stay bit for bit, and copies may be row ranges of a bigger matrix (a fused group's);
-    with group=, one program writes several row tiles under one A block; B in PEFT's layout alone
+    with group=2, one program writes two row tiles under one A block; B in PEFT's layout alone
     (contiguous along the rank) is loaded by rows."""
     shapes = [(64, 96), (40, 96), (96, 40)]
     weights, loras = merge_layers(shapes, 24, dtype)
@@ -263,10 +263,10 @@ def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows, peft_
     originals = [w.clone() for w in weights]
     group = torch.full((64 + 40 + 8, 96), float("nan"), device=DEV, dtype=dtype)  # (rows 104.. stay untouched)
     outs = [group[:64], group[64:104], torch.empty(96, 40, device=DEV, dtype=dtype)]
-    if rows:
-        with pytest.raises(ValueError, match="block_r 16 must cover every rank"):
-            plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16, group=rows)
-    plan = plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=32 if rows else 16, group=rows)
+    with pytest.raises(ValueError, match="block_r 16 must cover every rank"):
+        plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16, group=rows)
+    plan = plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, group=rows)
+    assert plan.block_r == 32
     assert plan.b_align == (8 // (dtype.itemsize // 2) if peft_b else 0)  # (24 elements a row: 16-byte multiples)
     merge_lora_(plan)
     for w, w0, o, (a, b, s) in zip(weights, originals, outs, loras):
@@ -292,7 +292,7 @@ def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
         at += -(-(n_out * n_in) // 128) * 128
     views = lambda arena: [arena[p : p + n * k].view(n, k) for p, (n, k) in zip(places, shapes)]  # noqa: E731
     first = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
-    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, block_r=16)
+    plan = plan_merge(weights, loras, outs=views(first), arena=first, block_m=32, block_n=32, group=1)
     merge_lora_(plan, first)
     second = torch.full((at,), float("nan"), device=DEV, dtype=torch.bfloat16)
     merge_lora_(plan, second)
@@ -307,7 +307,7 @@ def test_a_plan_into_an_arena_serves_any_arena_of_its_size():
     with pytest.raises(ValueError, match="arena of"):  # (a strided view of as many elements)
         merge_lora_(plan, torch.empty(2 * at, device=DEV, dtype=torch.bfloat16)[::2])
     with pytest.raises(ValueError, match="takes no arena"):
-        merge_lora_(plan_merge(weights, loras, block_m=32, block_n=32, block_r=16), first)
+        merge_lora_(plan_merge(weights, loras, block_m=32, block_n=32, group=1), first)
     with pytest.raises(ValueError, match="lie in the arena"):
         plan_merge(weights[:1], loras[:1], outs=[torch.empty(64, 96, device=DEV, dtype=torch.bfloat16)], arena=first)
 

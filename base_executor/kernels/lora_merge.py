@@ -32,9 +32,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_mats,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH: tl.constexpr,
-                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, TILE_ROWS: tl.constexpr,
-                  B_ALIGN: tl.constexpr):
-    # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i, where
+                  ALIGN: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, B_ALIGN: tl.constexpr):
+    # grid: (tiles of every matrix,); program p writes tile p - starts[i] of matrix i (GROUP row tiles of
+    # BLOCK_M rows by BLOCK_N columns), where
     # starts[i] <= p < starts[i + 1] (a binary search of SEARCH steps over the matrices' first tiles):
     #   O_i[m, n] = W_i[m, n] + sign * scale_i * sum_r B_i[m, r] * A_i[r, n]
     # (O_i is W_i itself for a merge in place, or a copy's rows: each element read once, written once)
@@ -56,7 +56,7 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
     n_in = tl.load(row + 4)
     tiles_n = tl.cdiv(n_in, BLOCK_N)
     tile = pid - tl.load(starts_ptr + lo)
-    if tile < tl.cdiv(n_out, TILE_ROWS) * tiles_n:
+    if tile < tl.cdiv(n_out, BLOCK_M * GROUP) * tiles_n:
         w_ptr = base_ptr + tl.multiple_of(tl.load(row + 0), ALIGN)
         a_ptr = base_ptr + tl.multiple_of(tl.load(row + 1), ALIGN)
         if B_ALIGN > 0:
@@ -76,52 +76,27 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
         offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         n_ok = offs_n < n_in
-        if GROUP > 0:
-            # GROUP row tiles under one column block: A's [rank, BLOCK_N] block (BLOCK_R >= rank) loaded
-            # once and held, so each W tile costs only B's rows on top of itself
-            r_ok = offs_r < rank
-            if EVEN:
-                at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None], other=0.0)
-            else:
-                at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            for g in range(GROUP):
-                offs_m = ((tile // tiles_n) * GROUP + g) * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < n_out
-                b_ptrs = b_ptr + offs_m[:, None] * stride_bo + offs_r[None, :] * stride_br
-                w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
-                o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-                if EVEN:
-                    bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
-                    acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
-                    wt = tl.load(w_ptrs).to(tl.float32)
-                    tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
-                else:
-                    bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-                    acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
-                    mask = m_ok[:, None] & n_ok[None, :]
-                    wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
+        # GROUP row tiles under one column block: A's [rank, BLOCK_N] block (BLOCK_R >= rank) loaded
+        # once and held, so each W tile costs only B's rows on top of itself
+        r_ok = offs_r < rank
+        if EVEN:  # no column mask: keeps A's row loads 16 bytes wide
+            at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None], other=0.0)
         else:
-            offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            at = tl.load(a_ptr + offs_r[:, None] * stride_a + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        for g in range(GROUP):
+            offs_m = ((tile // tiles_n) * GROUP + g) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = offs_m < n_out
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                r_ok = (r0 + offs_r) < rank
-                b_ptrs = b_ptr + offs_m[:, None] * stride_bo + (r0 + offs_r)[None, :] * stride_br  # [BM, BR]
-                a_ptrs = a_ptr + (r0 + offs_r)[:, None] * stride_a + offs_n[None, :]               # [BR, BN]
-                if EVEN:  # no column mask: keeps A's row loads 16 bytes wide
-                    bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
-                else:
-                    bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                acc = mma(bt, at, acc, UPCAST)
+            b_ptrs = b_ptr + offs_m[:, None] * stride_bo + offs_r[None, :] * stride_br  # [BM, BR]
             w_ptrs = w_ptr + offs_m[:, None] * stride_w + offs_n[None, :]
             o_ptrs = o_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
             if EVEN:
+                bt = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+                acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
                 wt = tl.load(w_ptrs).to(tl.float32)
                 tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty))
             else:
+                bt = tl.load(b_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                acc = mma(bt, at, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
                 mask = m_ok[:, None] & n_ok[None, :]
                 wt = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(o_ptrs, (wt + s * acc).to(base_ptr.dtype.element_ty), mask=mask)
@@ -144,14 +119,15 @@ class MergePlan:
     block_r: int
     num_warps: int
     num_stages: int
-    group: int            # 0: a tile's A block loaded per tile; G: G row tiles under one held A block
+    group: int            # row tiles (of block_m rows) a program writes under one held A block
     b_align: int          # > 0: every B contiguous along its rank, offsets and row strides multiples of it
     keep: tuple           # the tensors whose addresses the table holds
 
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
-               outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 32,
-               block_n: int = 256, block_r: int = 32, num_warps: int = 4, num_stages: int = 3, group: int = 0) -> MergePlan:
+               outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 64,
+               block_n: int = 256, block_r: int | None = None, num_warps: int = 8, num_stages: int = 3,
+               group: int = 4) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
     scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).
     With `arena` (a 1-D tensor every out is a view of), the plan holds the outs' places in it, not
@@ -163,8 +139,8 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
     (lora_B.weight, or a pool's b_rows[...].t()), scale_i). Same dtype as the weight.
     outs[i]: the weight's shape and dtype, contiguous along in_i; unmerging such a plan subtracts.
     The plan holds the addresses: keep the tensors alive and in place.
-    group > 0: each program writes `group` row tiles of one column block, A's block held once for all
-    of them (block_r must cover every rank).
+    Each program writes `group` row tiles of block_m x block_n under one [rank, block_n] block of A,
+    loaded once: block_r must cover every rank (None: the least power of two >= 16 that does).
     """
     if len(weights) != len(loras) or not weights:
         raise ValueError(f"need one (A, B, scale) per weight: {len(weights)} weights, {len(loras)} adapters")
@@ -184,9 +160,13 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
                for o in outs):
             raise ValueError("every output must lie in the arena")
     out_base = base if arena is None else arena
-    if group and any(a.shape[0] > block_r for a, _, _ in loras):
-        raise ValueError(f"group {group} holds A's block whole: block_r {block_r} must cover every rank")
-    tile_rows = block_m * max(group, 1)
+    max_rank = max(a.shape[0] for a, _, _ in loras)
+    if block_r is None:
+        block_r = max(16, triton.next_power_of_2(max_rank))
+    if block_r < max_rank or group < 1:
+        raise ValueError(f"a program holds A's block whole: block_r {block_r} must cover every rank (up to "
+                         f"{max_rank}), and group ({group}) be at least 1")
+    tile_rows = block_m * group
     rows, scales, starts, even = [], [], [0], True
     for i, (w, (a, b, scale), o) in enumerate(zip(weights, loras, outs)):
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
@@ -245,8 +225,7 @@ def _apply(plan: MergePlan, sign: float, arena: torch.Tensor | None) -> None:
     _merge_kernel[(plan.tiles,)](
         plan.base, out, plan.table, plan.starts, plan.scales, sign, n, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_R=plan.block_r, SEARCH=max(1, (n - 1).bit_length()), ALIGN=plan.align, EVEN=plan.even,
-        UPCAST=plan.base.device.type != "cuda", GROUP=plan.group, TILE_ROWS=plan.block_m * max(plan.group, 1),
-        B_ALIGN=plan.b_align,
+        UPCAST=plan.base.device.type != "cuda", GROUP=plan.group, B_ALIGN=plan.b_align,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
 
 
