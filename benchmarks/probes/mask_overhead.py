@@ -35,6 +35,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", default="1,16,1024,4096")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alone", action="store_true", help="also time the masking alone: mask.call with a reply ready "
+                   "at once, no transport (what the tenant's host adds, apart from the call)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on a GPU, else float32")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if a.device != "cpu" else torch.float32
@@ -77,6 +79,14 @@ def main() -> int:
                         times[f].append(time.perf_counter() - t0)
                 mp, mm = (statistics.median(times[f]) * 1e6 for f in (plain, masked))
                 print(f"{url.split(':')[0]:10s}{n:8d}{mp:12.0f}{mm:12.0f}{mm / mp:8.2f}", flush=True)
+                if a.alone and url.startswith("local"):
+                    y0 = plain()
+                    alone = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        mask.call(ref, x, pb.FORWARD, lambda v, tk: tk(y0))
+                        alone.append(time.perf_counter() - t0)
+                    print(f"{'alone':10s}{n:8d}{'':12s}{statistics.median(alone) * 1e6:12.0f}", flush=True)
             conn.close()
     finally:
         proc.terminate()
