@@ -155,14 +155,14 @@ def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list,
     return dataclasses.replace(unit, weight=weight, members=members)
 
 
-def _arena_for(todo: list[tuple[Unit, list]], device: torch.device) -> tuple[torch.Tensor | None, list]:
-    """One block of memory for every merged copy of `todo` ((unit, parts) each), and each copy's
-    place in it: (arena, [a view of the unit's shape]). (None, [None, ...]) where the copies cannot
+def _arena_for(todo: list[tuple[Unit, list]], device: torch.device) -> tuple[torch.Tensor | None, list[int]]:
+    """One block of memory for every merged copy of `todo` ((unit, parts) each), and where each
+    copy starts in it (elements; _places makes the views). (None, []) where the copies cannot
     share one (weights of several dtypes or not contiguous, or no free block that large): each is
     then made alone."""
     dtypes = {u.weight.dtype for u, _ in todo}
     if len(dtypes) != 1 or not all(u.weight.is_contiguous() for u, _ in todo):
-        return None, [None] * len(todo)
+        return None, []
     dtype = dtypes.pop()
     step = max(1, ARENA_ALIGN_BYTES // dtype.itemsize)
     at, places = 0, []
@@ -172,8 +172,15 @@ def _arena_for(todo: list[tuple[Unit, list]], device: torch.device) -> tuple[tor
     try:
         arena = torch.empty(at, dtype=dtype, device=device)
     except torch.cuda.OutOfMemoryError:  # (fragmented: the copies one by one may still fit)
-        return None, [None] * len(todo)
-    return arena, [arena[a : a + u.weight.numel()].view(u.weight.shape) for a, (u, _) in zip(places, todo)]
+        return None, []
+    return arena, places
+
+
+def _places(arena: torch.Tensor | None, starts: list[int], todo: list[tuple[Unit, list]]) -> list:
+    """Each copy's view of the arena, of its unit's shape (None each without an arena)."""
+    if arena is None:
+        return [None] * len(todo)
+    return [arena[a : a + u.weight.numel()].view(u.weight.shape) for a, (u, _) in zip(starts, todo)]
 
 
 def _cached_plan(plans: dict, key) -> object | None:
@@ -455,7 +462,7 @@ class AdapterRegistry:
             if unit_id not in covered and unit is not None:
                 todo.append((unit, [(0, unit.out_features, delta)]))
         kernel = self.device.type == "cuda" and self.merge_kernel
-        arena, places = _arena_for(todo, self.device) if kernel else (None, [None] * len(todo))
+        arena, starts = _arena_for(todo, self.device) if kernel else (None, [])
         key = (adapter.id, deltas, arena.numel() if arena is not None else 0)
         plan = _cached_plan(self._merge_plans, key) if arena is not None else None
         if plan is not None:  # the GPU writes the adapted rows while the host describes the copies below
@@ -469,7 +476,7 @@ class AdapterRegistry:
                 plan = None
         units: dict[str, Unit] = {}
         adapted: list = []  # (served rows, copy's rows, delta) of every adapted row range
-        for (unit, parts), place in zip(todo, places):
+        for (unit, parts), place in zip(todo, _places(arena, starts, todo)):  # (views made after the launch)
             merged = _merged_unit(unit, parts, adapted, place)  # (rows no part adapts: copied here)
             units[unit.id] = merged
             if unit.members:
