@@ -126,7 +126,7 @@ class MergePlan:
 
 def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                outs: Sequence[torch.Tensor] | None = None, arena: torch.Tensor | None = None, block_m: int = 64,
-               block_n: int = 256, block_r: int | None = None, num_warps: int = 8, num_stages: int = 3,
+               block_n: int = 128, block_r: int | None = None, num_warps: int = 4, num_stages: int = 3,
                group: int = 4) -> MergePlan:
     """Describe `weights[i] += scale_i * B_i @ A_i` for all i; with `outs`, `outs[i] = weights[i] +
     scale_i * B_i @ A_i` instead (the weights only read: a merged copy written once).

@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--paths", default="kernel", help="comma list: how the merged copies are written, timed in turn in "
                    "one run: kernel (one launch of the merge kernel for every adapted row), addmm (one per copy)")
     p.add_argument("--tiles", default="", help="also time the merge kernel alone on the same rows for each tiling, "
-                   "comma list of BMxBNxBR/WARPS/STAGES/gG (e.g. 64x256x64/8/3/g4, plan_merge's default: G row tiles of "
+                   "comma list of BMxBNxBR/WARPS/STAGES/gG (e.g. 64x128x64/4/3/g4, plan_merge's default: G row tiles of "
                    "BM x BN a program, under one A block of BR >= the rank), beside one addmm per row")
     p.add_argument("--profile", action="store_true", help="cProfile one more merge per path: the host's share of the switch")
     p.add_argument("--out", default="")
