@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ import time
 import torch
 
 from symbiont.base_executor.catalog import CONV1D, LINEAR, Unit, UnitTable
-from symbiont.proto import codec
+from symbiont.proto import codec, mailbox
 from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
@@ -128,7 +129,6 @@ class Merged:
 
 
 ARENA_ALIGN_BYTES = 256  # where each merged copy starts in the copies' arena
-PIN_ALIGN_BYTES = 64  # where each weight of a paged adapter starts in its page-locked block
 
 
 def _merged_unit(unit: Unit, parts: list[tuple[int, int, Delta]], adapted: list, weight: torch.Tensor | None = None) -> Unit | None:
@@ -404,19 +404,19 @@ class AdapterRegistry:
         for the whole adapter (page-locking each tensor alone cost about 2 ms apiece: 64 of them for
         q and v of a 16-layer model), else in host memory."""
         pinned = bool(self.pool_bytes) and self.device.type == "cuda"
-        if pinned:
-            sizes = [-(-len(data) // PIN_ALIGN_BYTES) * PIN_ALIGN_BYTES for w in weights for data in (w.a, w.b)]
-            block = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-            at = 0
+        if pinned:  # (each weight at a 64-byte boundary of the block)
+            ends = list(itertools.accumulate(mailbox.align(len(data)) for w in weights for data in (w.a, w.b)))
+            block = torch.empty(ends[-1], dtype=torch.uint8, pin_memory=True)
+            starts = iter([0] + ends)
         deltas = {}
         for w in weights:
             shape_a, shape_b, dtype, scale = checked[w.unit]
             pair = []
             for data, shape in ((w.a, shape_a), (w.b, shape_b)):
                 if pinned:
+                    at = next(starts)
                     t = block[at: at + len(data)].view(dtype).view(shape)
                     t.copy_(codec.from_bytes(data, shape, dtype, copy=False))
-                    at += -(-len(data) // PIN_ALIGN_BYTES) * PIN_ALIGN_BYTES
                 elif self.device.type == "cuda" and not self.pool_bytes:
                     t = codec.from_bytes(data, shape, dtype, copy=False).to(self.device)  # (read once, by the copy)
                 else:
