@@ -216,8 +216,10 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor, Delta]], kernel: b
                     plans.clear()
                     plans[key[0]] = (key[1], key[2], plan)
             rest = [p for p in parts if not (p[0].stride(1) == 1 and p[1].stride(1) == 1)]
-        except (ImportError, ValueError, TypeError, RuntimeError) as e:  # (no Triton, rows the kernel cannot address)
+        except (ImportError, ValueError, TypeError) as e:  # (no Triton, rows or ranks the kernel does not take)
             log.debug("merged copies by addmm: %s", e)
+        except Exception as e:  # (the kernel failed to build or launch: Triton out of resources, ...) the exact way
+            log.warning("merged copies by addmm: the merge kernel failed (%s: %s)", type(e).__name__, e)
     for w, o, d in rest:
         torch.addmm(w, d.b.to(o.dtype), d.a.to(o.dtype), alpha=d.scale, out=o)
 
@@ -357,26 +359,26 @@ class AdapterRegistry:
             raise AdapterError(pb.RESOURCE_EXHAUSTED, f"the executor hosts {MAX_ADAPTERS} adapters already")
         if not req.weights:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} has no weights")
-        if owner != PROVIDER:
-            held = sum(a.nbytes for a in self._by_id.values() if a.owner == owner)
-            size = sum(len(w.a) + len(w.b) for w in req.weights)
-            if held + size > self.max_tenant_bytes:
-                raise AdapterError(pb.RESOURCE_EXHAUSTED, f"adapter {name!r} needs {size} bytes; this tenant's adapters hold "
-                                                          f"{held} of the {self.max_tenant_bytes} it may (--max-tenant-adapter-mb)")
-        checked = {}
+        checked = {}  # unit -> (A, B, scale): read-only views of the request's bytes, checked
         for w in req.weights:
             if w.unit in checked:
                 raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} gives unit {w.unit!r} twice")
-            checked[w.unit] = self._check_weight(name, w)
-        deltas = self._deltas(name, req.weights, checked)
-        adapter = Adapter(name, self._next, owner, deltas)
+            checked[w.unit] = self._checked(name, w)
+        if owner != PROVIDER:
+            held = sum(a.nbytes for a in self._by_id.values() if a.owner == owner)
+            size = sum(t.numel() * t.element_size() for a, b, _ in checked.values() for t in (a, b))
+            if held + size > self.max_tenant_bytes:
+                raise AdapterError(pb.RESOURCE_EXHAUSTED, f"adapter {name!r} needs {size} bytes; this tenant's adapters hold "
+                                                          f"{held} of the {self.max_tenant_bytes} it may (--max-tenant-adapter-mb)")
+        adapter = Adapter(name, self._next, owner, self._deltas(checked))
         self._next += 1
         self._by_id[adapter.id] = adapter
         self._by_name[(owner, name)] = adapter
         return adapter
 
-    def _check_weight(self, name: str, w: pb.AdapterWeight) -> tuple[tuple, tuple, torch.dtype, float]:
-        """One unit's weights checked against the served unit: (A's shape, B's shape, dtype, scale)."""
+    def _checked(self, name: str, w: pb.AdapterWeight) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One unit's weights checked against the served unit, as read-only views of the request's
+        bytes (each field read once: every read of a bytes field makes a copy): (A, B, scale)."""
         unit = self.table.get(w.unit)
         where = f"adapter {name!r}, unit {w.unit!r}"
         if unit is None:
@@ -389,43 +391,40 @@ class AdapterRegistry:
         dtype = codec.TORCH_OF.get(w.dtype)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise AdapterError(pb.DTYPE_MISMATCH, f"{where}: weights must be float32, bfloat16 or float16")
-        size = dtype.itemsize
+        pair = []
         for what, data, shape in (("A", w.a, (r, unit.in_features)), ("B", w.b, (unit.out_features, r))):
-            if len(data) != shape[0] * shape[1] * size:
+            if len(data) != shape[0] * shape[1] * dtype.itemsize:
                 raise AdapterError(pb.SHAPE_MISMATCH, f"{where}: {what} must be {list(shape)} {codec.NAME_OF[dtype]}, "
                                                       f"got {len(data)} bytes")
+            pair.append(codec.from_bytes(data, shape, dtype, copy=False))
         scale = float(w.scale)
         if not torch.isfinite(torch.tensor(scale)):
             raise AdapterError(pb.INVALID_ARGUMENT, f"{where}: scale {scale} is not finite")
-        return (r, unit.in_features), (unit.out_features, r), dtype, scale
+        if not all(torch.isfinite(t).all() for t in pair):
+            raise AdapterError(pb.INVALID_ARGUMENT, f"{where}: weights hold NaN or infinity")
+        return pair[0], pair[1], scale
 
-    def _deltas(self, name: str, weights, checked: dict) -> dict[str, Delta]:
-        """The checked weights as Deltas: on the device, or (paged on a GPU) in one page-locked block
-        for the whole adapter (page-locking each tensor alone cost about 2 ms apiece: 64 of them for
-        q and v of a 16-layer model), else in host memory."""
+    def _deltas(self, checked: dict) -> dict[str, Delta]:
+        """The checked weights (_checked) as Deltas: on the device, or (paged on a GPU) in one
+        page-locked block for the whole adapter (page-locking each tensor alone cost about 2 ms
+        apiece: 64 of them for q and v of a 16-layer model), else in host memory of their own."""
         pinned = bool(self.pool_bytes) and self.device.type == "cuda"
         if pinned:  # (each weight at a 64-byte boundary of the block)
-            ends = list(itertools.accumulate(mailbox.align(len(data)) for w in weights for data in (w.a, w.b)))
-            block = torch.empty(ends[-1], dtype=torch.uint8, pin_memory=True)
-            starts = iter([0] + ends)
+            sizes = [mailbox.align(t.numel() * t.element_size()) for a, b, _ in checked.values() for t in (a, b)]
+            block = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+            starts = iter(itertools.accumulate([0] + sizes))
         deltas = {}
-        for w in weights:
-            shape_a, shape_b, dtype, scale = checked[w.unit]
+        for unit, (a, b, scale) in checked.items():
             pair = []
-            for data, shape in ((w.a, shape_a), (w.b, shape_b)):
+            for t in (a, b):
                 if pinned:
                     at = next(starts)
-                    t = block[at: at + len(data)].view(dtype).view(shape)
-                    t.copy_(codec.from_bytes(data, shape, dtype, copy=False))
-                elif self.device.type == "cuda" and not self.pool_bytes:
-                    t = codec.from_bytes(data, shape, dtype, copy=False).to(self.device)  # (read once, by the copy)
+                    pair.append(block[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t))
+                elif not self.pool_bytes and self.device.type != "cpu":
+                    pair.append(t.to(self.device))
                 else:
-                    t = codec.from_bytes(data, shape, dtype)  # (a copy of its own: the request's bytes are read-only)
-                pair.append(t)
-            a, b = pair
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r}, unit {w.unit!r}: weights hold NaN or infinity")
-            deltas[w.unit] = Delta(a, b, scale)
+                    pair.append(t.clone())  # (memory of its own: the request's bytes are read-only)
+            deltas[unit] = Delta(pair[0], pair[1], scale)
         return deltas
 
     def remove(self, owner: int, name: str) -> Adapter:
@@ -494,7 +493,7 @@ class AdapterRegistry:
 
             try:
                 merge_lora_(plan, arena)
-            except (ValueError, TypeError, RuntimeError) as e:  # (made anew below, by _merge_rows)
+            except Exception as e:  # (made anew below, by _merge_rows, which falls back to addmm)
                 log.warning("merge of adapter %r: its kept plan failed (%s); planning again", adapter.name, e)
                 self._merge_plans.pop(adapter.id, None)
                 plan = None

@@ -41,7 +41,8 @@ ADAPTERS = (4, 16, 64)
 RANK_MIXES = {"mixed 8-128": (8, 16, 32, 64, 128), "low 8-16": (8, 16), "high 64-128": (64, 128)}
 ROUNDS = 21
 WINDOW_MS = 1.5
-MERGE_TILES = [(32, 256, 32, 4, 3), (64, 256, 32, 8, 3), (64, 128, 32, 4, 3), (128, 256, 64, 8, 3)]
+# (block_m, block_n, warps, stages, group): each program holds A's whole-rank block (plan_merge's default first)
+MERGE_TILES = [(64, 128, 4, 3, 4), (64, 256, 8, 3, 4), (32, 256, 4, 3, 4), (128, 256, 8, 3, 2)]
 
 
 def rel_delta_err(out, ref, y0) -> float:
@@ -187,8 +188,9 @@ def bench_merge(log) -> list[dict]:
         weights, loras = llama8b_layers(targets, 64)
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         floor_ms = 2 * nbytes / 3.0e12 * 1e3  # read + write every weight once at ~3.0 TB/s (H100)
-        for bm, bn, br, warps, stages in MERGE_TILES:
-            plan = plan_merge(weights, loras, block_m=bm, block_n=bn, block_r=br, num_warps=warps, num_stages=stages)
+        for bm, bn, warps, stages, group in MERGE_TILES:
+            plan = plan_merge(weights, loras, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, group=group)
+            br = plan.block_r
             m = time_events_ms(lambda: merge_lora_(plan))
             u = time_events_ms(lambda: unmerge_lora_(plan))
             rows.append({"targets": label, "layers": len(weights), "weight_GB": nbytes / 1e9, "floor_ms": floor_ms,

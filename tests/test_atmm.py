@@ -263,7 +263,7 @@ def test_merge_into_copies_writes_them_and_leaves_the_weights(dtype, rows, peft_
     originals = [w.clone() for w in weights]
     group = torch.full((64 + 40 + 8, 96), float("nan"), device=DEV, dtype=dtype)  # (rows 104.. stay untouched)
     outs = [group[:64], group[64:104], torch.empty(96, 40, device=DEV, dtype=dtype)]
-    with pytest.raises(ValueError, match="block_r 16 must cover every rank"):
+    with pytest.raises(ValueError, match="block_r 16 must be a power of two >= 16 covering every rank"):
         plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, block_r=16, group=rows)
     plan = plan_merge(weights, loras, outs=outs, block_m=32, block_n=32, group=rows)
     assert plan.block_r == 32
@@ -351,12 +351,29 @@ def test_merged_copies_by_the_kernel_equal_those_by_addmm():
     assert [m.weight.data_ptr() for m in in_arena.members] == [in_arena.weight[a].data_ptr() for a in (0, 96, 128)]
 
 
+def test_merge_with_b_rows_of_unaligned_length():
+    """B contiguous along a rank of 4 (8-byte rows in bf16): said contiguous, not 16-byte aligned."""
+    weights, loras = merge_layers([(64, 96), (40, 96)], 4, torch.bfloat16)
+    loras = [(a, b.contiguous(), s) for a, b, s in loras]
+    originals = [w.clone() for w in weights]
+    plan = plan_merge(weights, loras, block_m=32, block_n=32, group=2)
+    assert plan.b_align == 1 and plan.block_r == 16
+    merge_lora_(plan)
+    for w, w0, (a, b, s) in zip(weights, originals, loras):
+        ref = merge_ref(w0.clone(), a, b, s)
+        assert ((w.float() - ref.float()).abs() <= merge_bound(ref, w0, a, b, s)).all()
+
+
 def test_merge_rejects_mismatched_layers():
     w = torch.zeros(8, 16, device=DEV)
     with pytest.raises(ValueError):
         plan_merge([w], [(torch.zeros(4, 8, device=DEV), torch.zeros(8, 4, device=DEV), 1.0)])
     with pytest.raises(TypeError):
         plan_merge([w], [(torch.zeros(4, 16, device=DEV, dtype=torch.float16), torch.zeros(8, 4, device=DEV), 1.0)])
+    with pytest.raises(ValueError, match="ranks up to 128"):  # (the registry then writes the copies by addmm)
+        plan_merge([w], [(torch.zeros(129, 16, device=DEV), torch.zeros(8, 129, device=DEV), 1.0)])
+    with pytest.raises(ValueError, match="power of two"):
+        plan_merge([w], [(torch.zeros(4, 16, device=DEV), torch.zeros(8, 4, device=DEV), 1.0)], block_r=24)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

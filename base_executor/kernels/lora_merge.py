@@ -27,6 +27,7 @@ from .segment_plan import SegmentPlan, plan_segments
 from .tiling import TilingTable
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HELD_RANK = 128  # the largest rank whose [rank, block_n] block of A a program holds (shared memory)
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def _merge_kernel(base_ptr, out_ptr, table_ptr, starts_ptr, scale_ptr, sign, n_m
     # (base_ptr again, or the copies' arena), so the ALIGN hint (offsets and row strides are multiples
     # of ALIGN elements, checked by plan_merge) lets the compiler use 16-byte loads and stores along W's rows.
     # B_ALIGN > 0: every B is contiguous along its rank (lora_B.weight's layout), its offset and row stride
-    # multiples of B_ALIGN: said to the compiler, B's rows load as wide vectors, not element by element.
+    # multiples of B_ALIGN: said to the compiler (with runtime strides it read B element by element).
     pid = tl.program_id(0)
     lo = pid * 0
     hi = lo + n_mats
@@ -161,11 +162,13 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
             raise ValueError("every output must lie in the arena")
     out_base = base if arena is None else arena
     max_rank = max(a.shape[0] for a, _, _ in loras)
+    if max_rank > MAX_HELD_RANK:
+        raise ValueError(f"rank {max_rank}: the kernel holds A's block whole, for ranks up to {MAX_HELD_RANK}")
     if block_r is None:
         block_r = max(16, triton.next_power_of_2(max_rank))
-    if block_r < max_rank or group < 1:
-        raise ValueError(f"a program holds A's block whole: block_r {block_r} must cover every rank (up to "
-                         f"{max_rank}), and group ({group}) be at least 1")
+    if block_r < max_rank or block_r < 16 or block_r & (block_r - 1) or group < 1:
+        raise ValueError(f"a program holds A's block whole: block_r {block_r} must be a power of two >= 16 covering "
+                         f"every rank (up to {max_rank}), and group ({group}) at least 1")
     tile_rows = block_m * group
     rows, scales, starts, even = [], [], [0], True
     for i, (w, (a, b, scale), o) in enumerate(zip(weights, loras, outs)):

@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--paths", default="kernel", help="comma list: how the merged copies are written, timed in turn in "
                    "one run: kernel (one launch of the merge kernel for every adapted row), addmm (one per copy)")
     p.add_argument("--tiles", default="", help="also time the merge kernel alone on the same rows for each tiling, "
-                   "comma list of BMxBNxBR/WARPS/STAGES/gG (e.g. 64x128x64/4/3/g4, plan_merge's default: G row tiles of "
+                   "comma list of BMxBNxBR/WARPS/STAGES[/gG] (e.g. 64x128x64/4/3/g4, plan_merge's default: G row tiles of "
                    "BM x BN a program, under one A block of BR >= the rank), beside one addmm per row")
     p.add_argument("--profile", action="store_true", help="cProfile one more merge per path: the host's share of the switch")
     p.add_argument("--out", default="")
@@ -145,7 +145,7 @@ def sweep(registry, adapter, a, device, dtype, nbytes: int, floor_ms: float) -> 
         bm, bn, br = (int(v) for v in blocks.split("x"))
         t0 = time.perf_counter()
         plan = plan_merge(ws, loras, outs=outs, block_m=bm, block_n=bn, block_r=br, num_warps=int(warps), num_stages=int(stages),
-                          group=int(group[0].lstrip("g")) if group else 1)
+                          **({"group": int(group[0].lstrip("g"))} if group else {}))
         plan_ms = 1e3 * (time.perf_counter() - t0)
         rows.append({"path": "kernel alone", "tiling": spec, "plan_ms": plan_ms, "kernel_ms": timed(lambda: merge_lora_(plan))})
     rows.append({"path": "addmm alone", "kernel_ms": timed(lambda: [torch.addmm(w, b, a_, alpha=s, out=o)
