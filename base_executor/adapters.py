@@ -366,7 +366,7 @@ class AdapterRegistry:
             checked[w.unit] = self._checked(name, w)
         if owner != PROVIDER:
             held = sum(a.nbytes for a in self._by_id.values() if a.owner == owner)
-            size = sum(t.numel() * t.element_size() for a, b, _ in checked.values() for t in (a, b))
+            size = sum(t.nbytes for a, b, _ in checked.values() for t in (a, b))
             if held + size > self.max_tenant_bytes:
                 raise AdapterError(pb.RESOURCE_EXHAUSTED, f"adapter {name!r} needs {size} bytes; this tenant's adapters hold "
                                                           f"{held} of the {self.max_tenant_bytes} it may (--max-tenant-adapter-mb)")
@@ -410,7 +410,7 @@ class AdapterRegistry:
         apiece: 64 of them for q and v of a 16-layer model), else in host memory of their own."""
         pinned = bool(self.pool_bytes) and self.device.type == "cuda"
         if pinned:  # (each weight at a 64-byte boundary of the block)
-            sizes = [mailbox.align(t.numel() * t.element_size()) for a, b, _ in checked.values() for t in (a, b)]
+            sizes = [mailbox.align(t.nbytes) for a, b, _ in checked.values() for t in (a, b)]
             block = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
             starts = iter(itertools.accumulate([0] + sizes))
         deltas = {}
@@ -419,7 +419,7 @@ class AdapterRegistry:
             for t in (a, b):
                 if pinned:
                     at = next(starts)
-                    pair.append(block[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t))
+                    pair.append(block[at: at + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
                 elif not self.pool_bytes and self.device.type != "cpu":
                     pair.append(t.to(self.device))
                 else:

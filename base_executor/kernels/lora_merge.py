@@ -197,15 +197,14 @@ def plan_merge(weights: Sequence[torch.Tensor], loras: Sequence[tuple[torch.Tens
         starts.append(starts[-1] + triton.cdiv(n_out, tile_rows) * triton.cdiv(n_in, block_n))
     if starts[-1] >= 2**31:
         raise ValueError(f"{starts[-1]} tiles: more than one launch can address; use larger blocks")
-    # 16-byte alignment of W/A rows (in elements), if every offset and stride allows it
-    align = 16 // es
-    if (any(v % align for row in rows for v in (row[0], row[1], row[6], row[7], row[10], row[11]))
-            or base.data_ptr() % 16 or out_base.data_ptr() % 16):
-        align = 1
-    # B rows contiguous along the rank (PEFT's lora_B.weight): 16-byte aligned where offsets and strides allow
-    b_align = 0
-    if all(b.stride(1) == 1 or b.shape[1] == 1 for _, b, _ in loras):
-        b_align = 16 // es if not any(v % (16 // es) for row in rows for v in (row[2], row[8])) and base.data_ptr() % 16 == 0 else 1
+    def aligned(columns, *bases) -> int:
+        """16 bytes in elements if these table columns (offsets, row strides) and bases allow it, else 1."""
+        vec = 16 // es
+        return 1 if any(row[c] % vec for row in rows for c in columns) or any(t.data_ptr() % 16 for t in bases) else vec
+
+    align = aligned((0, 1, 6, 7, 10, 11), base, out_base)  # W's, A's and the outputs' rows
+    # B rows contiguous along the rank (PEFT's lora_B.weight): said so, aligned where offsets and strides allow
+    b_align = aligned((2, 8), base) if all(b.stride(1) == 1 or b.shape[1] == 1 for _, b, _ in loras) else 0
     table = torch.tensor(rows, dtype=torch.int64).to(dev)
     keep = tuple(weights) + (tuple(outs) if arena is None else ()) + tuple(t for a, b, _ in loras for t in (a, b))
     return MergePlan(base, table, torch.tensor(starts, dtype=torch.int32).to(dev), torch.tensor(scales, dtype=torch.float32).to(dev),
