@@ -124,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         exact=args.exact,
         convoys=args.convoys,
+        catch_up_us=args.catch_up_us,
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
@@ -131,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
-        native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens,
+        native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -206,8 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
         catalog.model, len(table), (tp or table).parameter_count() / 1e6, " (this rank's slices)" if tp else "",
         args.dtype, device, time.monotonic() - t0,
     )
-    log.info("batching: %s, max wait %d us (inference %d us), max batch %d tokens%s",
-             sched.policy, sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens,
+    log.info("batching: %s, max wait %d us (inference %d us), max batch %d tokens, solo calls from %d tokens%s%s",
+             sched.policy, sched.max_wait_us, sched.inference_wait_us, sched.max_batch_tokens, server_config.solo_tokens,
+             ", GPU-side batches" if server_config.gpu_batches and server_config.gpu_waits else "",
              ", exact (batch-invariant)" if sched.exact else "")
     if args.metrics_port and (shard is None or tensor):  # (layer placement: once the ranks' addresses are known)
         from symbiont.base_executor.stats_view import serve_metrics
@@ -474,6 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--solo-tokens", type=int, default=1, help="same GPU: a call of at least this many tokens runs at "
                    "once on its tenant's own stream, never waiting for a batch (the tenants' streams overlap on the "
                    "GPU); default 1: every call; N > 1 batches the smaller ones; 0: only a lone tenant's calls run so")
+    s.add_argument("--gpu-batches", action="store_true", help="same GPU: a call not run at once on its tenant's "
+                   "stream (see --solo-tokens) is queued for a batch before its input is in, the batch waiting on the GPU "
+                   "for every member's input (by default it waits on the host until its input is in); tenants whose "
+                   "hosts run ahead of their GPUs then meet in batches. A stalled tenant holds the batches behind it "
+                   "until it is detached (30 s)")
+    s.add_argument("--catch-up-us", type=int, default=1000, help="opportunistic: how long a queue waits for a tenant "
+                   "whose queued later call will reach it (its earlier calls run meanwhile); 0: never")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

@@ -101,6 +101,7 @@ class ExecutorCore:
         self.adapters = AdapterRegistry(table, device)
         self.orchestrator = None  # an adapters.MergeOrchestrator (serve --merge auto)
         self._ids_stream = None  # a GPU executor's stream for checking embedding ids (checked_ids)
+        self.before_batch = None  # a transport's look at each batch popped, before it runs (where it runs)
 
     def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp is not None:
@@ -230,6 +231,8 @@ class ExecutorCore:
         calls = self.scheduler.pop_batch(now, can_grow, attached)
         if not calls:
             return []
+        if self.before_batch is not None:
+            self.before_batch(calls)
         if self.scheduler.config.exact:
             groups = [[c] for c in calls]
         else:  # (calls of a merged adapter compute with its copy of the unit: a GEMM of their own)
@@ -264,6 +267,9 @@ class ExecutorCore:
     def _run(self, calls: list[Call]) -> list[Result]:
         """One GEMM over the calls' rows, split back per call."""
         exact = self.scheduler.config.exact
+        for c in calls:
+            if c.before is not None:  # (a transport's GPU wait for its input, on this stream)
+                c.before()
         try:
             if len(calls) == 1:  # straight into the tenant's output mailbox when it offers one
                 c = calls[0]

@@ -22,6 +22,13 @@ each (unit, op); a tenant with no call queued is expected next at the successors
 call's (`expected`). With `convoys` on, a queue waits only for tenants expected at it: a call that no
 one is about to join runs at once, and calls that ran together wait for each other at the next unit.
 
+Catching up: a tenant may queue calls ahead of its GPU (a same-GPU tenant's, taken before their
+inputs are in: transports/local.py, `gpu_batches`), so a tenant's later calls already sit in the
+queues behind its oldest. A queue that such a later call of another tenant will reach waits for it
+(up to `catch_up_us` from when its oldest call could first run): the tenant behind runs its calls
+up to that unit meanwhile, and from there the two go on together. A call's waits count from when
+it could first run (it became its tenant's oldest), not from when it was queued.
+
 Inference queues go first, except that a queue whose oldest call has waited `starve_us` goes
 before any younger one of the other class: neither class starves the other.
 
@@ -67,6 +74,9 @@ class SchedulerConfig:
     """Tokens one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
     max_queued_tokens: int = 0
     """Tokens queued over all tenants past which new calls are refused with RETRY_LATER (0: no limit)."""
+    catch_up_us: int = 1000
+    """Opportunistic: how long a queue that another tenant's queued later call will reach waits
+    for it (module docstring, catching up); 0: never."""
     convoys: bool = False
     """Opportunistic: a queue waits only for tenants expected at it (`Scheduler.expected`); False: for
     any tenant that called lately, wherever it goes next (the default: on a busy GPU a wait costs
@@ -75,7 +85,7 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("starve_us", "lockstep_wait_us", "max_tenant_calls", "max_tenant_tokens", "max_queued_tokens"):
+        for name in ("starve_us", "lockstep_wait_us", "catch_up_us", "max_tenant_calls", "max_tenant_tokens", "max_queued_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_wait_us < 0 or self.inference_wait_us < 0:
@@ -104,6 +114,8 @@ class Call:
     adapter_id: int = 0  # the hosted adapter it names (0: none)
     budget_s: float = 0.0  # its latency budget (CallRequest.budget_us): refused when it would wait longer (0: none)
     merge_epoch: int = 0  # its unit is that adapter's merged copy, of this merge (adapters.Merged)
+    before: object = None  # called on the stream that runs it, before its input is read (a transport's GPU wait for it)
+    head_at: float = 0.0  # when it became its tenant's oldest queued call (when it could first run)
 
     @property
     def tokens(self) -> int:
@@ -129,6 +141,7 @@ class Scheduler:
         self._per_tenant: collections.Counter = collections.Counter()
         self._tenant_tokens: collections.Counter = collections.Counter()
         self._order: dict[int, collections.deque[Call]] = {}  # each tenant's queued calls, oldest first
+        self._behind: dict[tuple, collections.Counter] = {}  # (unit, op) -> tenant -> its queued calls there, not its oldest
         self.queued_tokens = 0
         self.waits_us = {pb.TRAINING: collections.deque(maxlen=WAIT_WINDOW), pb.INFERENCE: collections.deque(maxlen=WAIT_WINDOW)}
         self._rate = 0.0  # tokens per second the queues drain at, smoothed (the retry hint)
@@ -178,7 +191,12 @@ class Scheduler:
         self._inference[key] += call.latency == pb.INFERENCE
         self._per_tenant[call.tenant] += 1
         self._tenant_tokens[call.tenant] += call.tokens
-        self._order.setdefault(call.tenant, collections.deque()).append(call)
+        order = self._order.setdefault(call.tenant, collections.deque())
+        if not order:
+            call.head_at = call.arrived
+        else:
+            self._behind.setdefault(key, collections.Counter())[call.tenant] += 1
+        order.append(call)
         self.queued_tokens += call.tokens
 
     def note_call(self, tenant: int, key: tuple) -> None:
@@ -238,8 +256,15 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         heads = self._heads()
-        d = min((c.arrived + self._wait_s(k) for k, q in self._queues.items() for c in q if c in heads), default=None)
+        d = min((c.head_at + self._wait_s(k) for k, q in self._queues.items() for c in q if c in heads), default=None)
+        if d is not None and self._catching_up():  # (a queue may wait for a tenant behind: look again when that ends)
+            d = min(d, min(c.head_at for c in heads) + self.config.catch_up_us * 1e-6)
         return None if d == float("inf") else d
+
+    def _catching_up(self) -> bool:
+        """Whether a queue may wait for a tenant behind (module docstring): some tenant has more
+        than one call queued, under the opportunistic policy with catch_up_us."""
+        return self.config.policy == "opportunistic" and bool(self.config.catch_up_us) and len(self._per_tenant) < self.pending()
 
     def pop_batch(self, now: float, can_grow: bool | set = True, attached: int = 0) -> list[Call]:
         """The calls to run now as one batch (same unit, same op), or [] when nothing is due.
@@ -255,16 +280,20 @@ class Scheduler:
         starve = self.config.starve_us * 1e-6
         heads = self._heads()
         every = len(heads) == self.pending()
+        catch_up = self.config.catch_up_us * 1e-6 if self._catching_up() else 0.0
         for key, q in self._queues.items():
             ready = list(q) if every else [c for c in q if c in heads]
             if not ready:
                 continue
+            waited = now - min(c.head_at for c in ready)
             due = (
                 not (key in can_grow if isinstance(can_grow, set) else can_grow)
                 or self._tokens[key] >= self.config.max_batch_tokens
-                or now - ready[0].arrived >= self._wait_s(key)
+                or waited >= self._wait_s(key)
                 or (self.config.policy == "lockstep" and len(ready) >= attached)
             )
+            if due and waited < catch_up and self._tokens[key] < self.config.max_batch_tokens and self._behind_at(key, ready):
+                due = False  # a tenant behind has a call queued for it: it catches up meanwhile
             if due:
                 # inference first, unless a queue has waited past starve_us: then the oldest first
                 rank = (0 if self._inference[key] or now - ready[0].arrived >= starve else 1, ready[0].arrived)
@@ -286,9 +315,10 @@ class Scheduler:
             taken = set(batch)
             self._queues[best] = q = collections.deque(c for c in q if c not in taken)
         for c in batch:
-            self._forget(best, c)
-            self.waits_us[c.latency].append((now - c.arrived) * 1e6)
-            self._wait_ema[c.latency] = 0.8 * self._wait_ema[c.latency] + 0.2 * (now - c.arrived)
+            self._forget(best, c, now)
+            waited = now - c.head_at  # (from when it could run: a call queued behind its tenant's earlier ones waits for those first)
+            self.waits_us[c.latency].append(waited * 1e6)
+            self._wait_ema[c.latency] = 0.8 * self._wait_ema[c.latency] + 0.2 * waited
         if not q:
             del self._queues[best], self._tokens[best], self._inference[best]
         if self._last_pop is not None and now > self._last_pop:
@@ -297,7 +327,7 @@ class Scheduler:
         self._last_pop = now
         return batch
 
-    def _forget(self, key, c: Call) -> None:
+    def _forget(self, key, c: Call, now: float | None = None) -> None:
         self._tokens[key] -= c.tokens
         self._inference[key] -= c.latency == pb.INFERENCE
         self.queued_tokens -= c.tokens
@@ -306,10 +336,28 @@ class Scheduler:
         order = self._order[c.tenant]
         if order[0] is c:
             order.popleft()
+            if order:  # (its next call may run from now on)
+                n = order[0]
+                n.head_at = max(n.arrived, now if now is not None else n.arrived)
+                self._unbehind((n.unit.id, n.op), n.tenant)
         else:
             order.remove(c)
+            self._unbehind(key, c.tenant)
         if self._per_tenant[c.tenant] == 0:
             del self._per_tenant[c.tenant], self._tenant_tokens[c.tenant], self._order[c.tenant]
+
+    def _behind_at(self, key, ready: list[Call]) -> bool:
+        """Whether a tenant other than those of `ready` has a later call queued at `key`."""
+        behind = self._behind.get(key)
+        return bool(behind) and any(t not in {c.tenant for c in ready} for t in behind)
+
+    def _unbehind(self, key, tenant: int) -> None:
+        behind = self._behind[key]
+        behind[tenant] -= 1
+        if not behind[tenant]:
+            del behind[tenant]
+            if not behind:
+                del self._behind[key]
 
     def queued(self, tenant: int) -> int:
         """How many calls of `tenant` are queued."""

@@ -763,37 +763,71 @@ def test_big_calls_of_tenants_that_could_batch_run_on_their_own_streams():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("flags", [(), ("--solo-tokens", "0")], ids=["default", "batched"])
+def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str) -> dict:
+    """tests/jobs/solo_job.py in one same-GPU tenant process per seed, meeting before their loops."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    meet = tmp_path / f"{tag}-barrier"
+    meet.mkdir()
+    job = os.path.join(REPO, "tests", "jobs", "solo_job.py")
+    procs = {
+        seed: subprocess.Popen(
+            [sys.executable, job, "--url", url, "--mode", mode, "--n", "6" if mode == "train" else "3", "--device", "cuda:0",
+             "--seed", str(seed), "--out", str(tmp_path / f"{tag}-{seed}.pt"), "--barrier", str(meet),
+             "--parties", str(len(seeds))],
+            cwd=REPO,
+        )
+        for seed in seeds
+    }
+    for seed, p in procs.items():
+        assert p.wait(timeout=300) == 0, f"tenant {seed} failed"
+    return {seed: torch.load(tmp_path / f"{tag}-{seed}.pt") for seed in seeds}
+
+
+def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
+    """Four same-GPU tenant processes decode at once on an executor that batches their calls
+    before their inputs are in (--gpu-batches, every call batched that can be: --solo-tokens 0):
+    calls meet in batches, and each tenant's greedy tokens equal its run alone on the same
+    executor, its logits to the rounding of GEMMs batched with the others'."""
+    from symbiont import connect
+
+    with running_executor("tiny-llama", "--device", "cuda:0", "--solo-tokens", "0", "--gpu-batches") as ex:
+        solo = {}
+        for seed in range(4):
+            solo.update(_run_jobs(tmp_path, ex.url, "generate", [seed], f"solo{seed}"))
+        with connect(ex.url) as conn:
+            before = conn.stats()
+        together = _run_jobs(tmp_path, ex.url, "generate", list(range(4)), "together")
+        with connect(ex.url) as conn:
+            stats = conn.stats()
+    calls, batches = stats.calls - before.calls, stats.batches - before.batches
+    print(f"together: {calls} calls in {batches} batches, {stats.native_calls - before.native_calls} native")
+    assert stats.errors == 0
+    assert calls > batches * 1.2, f"{calls} calls in {batches} batches: the tenants' calls hardly met"
+    for seed in range(4):
+        for key, a in solo[seed].items():
+            if key.startswith("tokens:"):
+                assert torch.equal(together[seed][key], a), f"tenant {seed}: {key}"
+            else:
+                torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
+
+
+@pytest.mark.parametrize("flags", [(), ("--solo-tokens", "0"), ("--solo-tokens", "0", "--gpu-batches")],
+                         ids=["default", "batched", "gpu-batches"])
 def test_four_fine_tuning_tenants_together_get_their_solo_adapters(tmp_path, flags):
     """S2 at K = 4 in small: four same-GPU tenant processes (built from the skeleton, LoRA ranks
     8/16/32/64) train at once on one executor (default flags; and with every call batched that
     can be: --solo-tokens 0); each one's adapter
     gradients, weights and losses equal its run alone on the same executor, to the rounding of
     GEMMs that may have been batched with the others'."""
-    import os
-    import subprocess
-    import sys
-
     from symbiont import connect
-    from tests.conftest import REPO
-
-    job = os.path.join(REPO, "tests", "jobs", "solo_job.py")
 
     def run(url: str, seeds: list[int], tag: str) -> dict:
-        meet = tmp_path / f"{tag}-barrier"
-        meet.mkdir()
-        procs = {
-            seed: subprocess.Popen(
-                [sys.executable, job, "--url", url, "--mode", "train", "--n", "6", "--device", "cuda:0",
-                 "--seed", str(seed), "--out", str(tmp_path / f"{tag}-{seed}.pt"), "--barrier", str(meet),
-                 "--parties", str(len(seeds))],
-                cwd=REPO,
-            )
-            for seed in seeds
-        }
-        for seed, p in procs.items():
-            assert p.wait(timeout=300) == 0, f"tenant {seed} failed"
-        return {seed: torch.load(tmp_path / f"{tag}-{seed}.pt") for seed in seeds}
+        return _run_jobs(tmp_path, url, "train", seeds, tag)
 
     with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
         solo = {}

@@ -271,3 +271,67 @@ def test_may_join_with_convoys_asks_where_the_other_tenant_is_expected(model):
         assert may_join({q}) is (not convoys)
         o.last_call = 0.0  # o did not call lately: it joins no one
         assert not may_join({k})
+
+
+# ---- catching up: tenants whose later calls are queued ahead of their GPU --------------------
+
+
+def test_a_queue_waits_for_a_tenant_behind_that_will_reach_it(model):
+    """Tenant 1 is at K; tenant 2 has a call at Q, then one at K: the K queue waits while tenant
+    2's Q call runs, and then tenants 1 and 2 run K in one batch."""
+    core = core_for(model, max_wait_us=0, catch_up_us=1000)
+    core.submit(call(core, 1, K, 1, t=0.0))
+    core.submit(call(core, 2, Q, 1, t=0.0, seed=1))
+    core.submit(call(core, 2, K, 1, t=0.0, seed=2))
+    first = core.step(now=0.0001, can_grow=False)
+    assert [(r.call.tenant, r.call.unit.id) for r in first] == [(2, Q)]
+    second = core.step(now=0.0002, can_grow=False)
+    assert sorted((r.call.tenant, r.call.unit.id) for r in second) == [(1, K), (2, K)]
+    assert core.scheduler.pending() == 0
+
+
+def test_catching_up_is_bounded_and_counts_from_when_a_call_could_run(model):
+    core = core_for(model, max_wait_us=0, catch_up_us=1000)
+    core.submit(call(core, 1, K, 1, t=0.0))
+    core.submit(call(core, 2, Q, 1, t=0.0, seed=1))
+    core.submit(call(core, 2, Q, 1, t=0.0, seed=2))
+    core.submit(call(core, 2, K, 1, t=0.0, seed=3))
+    core.submit(call(core, 3, K, 1, t=0.0, seed=4))  # (two tenants at K: the queue still waits for the third)
+    assert [r.call.tenant for r in core.step(now=0.0001, can_grow=False)] == [2]  # Q first: K waits
+    # the K queue's oldest calls could run since t=0: at 1 ms it runs without tenant 2
+    ran = core.step(now=0.0011, can_grow=False)
+    assert sorted((r.call.tenant, r.call.unit.id) for r in ran) == [(1, K), (3, K)]
+    # tenant 2's second Q call could run only from its first's pop at 0.1 ms: it has waited 1.0 ms
+    # at 1.1 ms, no one is behind it, and max_wait_us is 0: it runs; then its K alone
+    assert [(r.call.tenant, r.call.unit.id) for r in core.step(now=0.0012, can_grow=False)] == [(2, Q)]
+    assert [(r.call.tenant, r.call.unit.id) for r in core.step(now=0.0013, can_grow=False)] == [(2, K)]
+
+
+def test_a_tenants_own_later_calls_are_not_waited_for(model):
+    core = core_for(model, max_wait_us=0, catch_up_us=1000)
+    core.submit(call(core, 1, K, 1, t=0.0))
+    core.submit(call(core, 1, Q, 1, t=0.0, seed=1))
+    core.submit(call(core, 1, K, 1, t=0.0, seed=2))
+    assert [r.call.unit.id for r in core.step(now=0.0, can_grow=False)] == [K]
+    assert [r.call.unit.id for r in core.step(now=0.0, can_grow=False)] == [Q]
+    assert [r.call.unit.id for r in core.step(now=0.0, can_grow=False)] == [K]
+
+
+def test_waits_count_from_when_a_call_became_its_tenants_oldest(model):
+    """A call queued behind its tenant's earlier one waits its class's wait from that one's run."""
+    core = core_for(model, max_wait_us=1000, catch_up_us=0)
+    core.submit(call(core, 1, Q, 1, t=0.0))
+    core.submit(call(core, 1, K, 1, t=0.0, seed=1))
+    assert [r.call.unit.id for r in core.step(now=0.0010)] == [Q]
+    assert core.step(now=0.0015) == []  # K could run only from 1.0 ms
+    assert core.scheduler.next_deadline() == pytest.approx(0.0020)
+    assert [r.call.unit.id for r in core.step(now=0.0020)] == [K]
+
+
+def test_catch_up_off_and_other_policies_never_wait_for_tenants_behind(model):
+    for cfg in (dict(catch_up_us=0), dict(policy="no-lockstep")):
+        core = core_for(model, max_wait_us=0, **cfg)
+        core.submit(call(core, 1, K, 1, t=0.0))
+        core.submit(call(core, 2, Q, 1, t=0.0, seed=1))
+        core.submit(call(core, 2, K, 1, t=0.0, seed=2))
+        assert {r.call.tenant for r in core.step(now=0.0001, can_grow=False)} in ({1}, {2})

@@ -22,6 +22,7 @@ its ring or never reads its replies is detached and its mailbox reclaimed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -84,6 +85,14 @@ class LocalServerConfig:
     tokens batched in Python (benchmarks/RESULTS.md, S3); a batch only pays once its GEMMs save more
     GPU time than the batching costs the data loop."""
 
+    gpu_batches: bool = False
+    """Whether a same-GPU call that is not taken at once on its tenant's own stream (see
+    solo_tokens) is queued for a batch before its input is in, the batch's stream waiting on the
+    GPU for every member's input (else it waits on the host until its input is in, then queues).
+    Tenants whose hosts run ahead of their GPUs then meet in batches (the scheduler's catching up),
+    with no host round trip per call. A stalled tenant holds the batches queued behind its input on
+    the data loop's stream until it is detached (input_timeout_s)."""
+
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
         if self.solo_tokens < 0:
@@ -113,6 +122,10 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
         self._native_failed = False  # a lane could not be taught a call: no native serving from then on
+        self._batch_waited = None  # the event marking the end of a batch that waits for a tenant's input (_wait_input)
+        self._batch_on = None  # the stream such a batch runs on (_pick_stream), while it does
+        if config.gpu_batches:
+            core.before_batch = self._pick_stream
         self._next_id = 1
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
@@ -207,10 +220,15 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             while self.core.scheduler.waiting_tenants():  # (nothing queued: nothing to run, no company to look for)
                 now = time.monotonic()
                 can_grow = False if stopping else self._company(tenants, remote, now)[0]
-                results = self.core.step(now, can_grow, attached)
+                results = []
+                try:
+                    results = self.core.step(now, can_grow, attached)
+                    if results:
+                        self._deliver(results)  # (on the stream the batch ran on: _pick_stream)
+                finally:
+                    self._batch_ran()
                 if not results:
                     break
-                self._deliver(results)
                 ran = True
             if stopping and self.core.scheduler.pending() == 0:
                 self._fold_lanes()
@@ -285,6 +303,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     if self._run_waiting(t, req):
                         continue
                     if not self._input_in(t, req):
+                        if self._queue_ahead(t, req):
+                            continue
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
                         t.held = (req, time.monotonic())
                         continue
@@ -339,7 +359,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         if not areas.waiting():
             t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
         stream_wait(stream.cuda_stream, areas.words, req.input_seq)
-        areas.awaiting = req.input_seq  # (releasing it releases any before)
+        areas.await_input(req.input_seq)  # (releasing it releases any before)
         call.tag.stream = stream
         if call.graphs is not None:
             call.graphs = self._graphs(areas, own=True)
@@ -356,6 +376,74 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._native_failed = True
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
+
+    def _queue_ahead(self, t: Tenant, req: pb.CallRequest) -> bool:
+        """Queues a same-GPU call whose input is not in yet for a batch (gpu_batches): its batch's
+        stream waits on the GPU for the input (_wait_input). False when it must be held on the host
+        instead (an embedding, whose ids are checked on the host; no GPU waits)."""
+        areas = t.areas
+        if not (self.config.gpu_batches and self.config.gpu_waits and req.input_seq and areas.stream is not None):
+            return False
+        unit = self.core.table.get(req.unit)
+        if unit is None or unit.kind == "embedding":
+            return False
+        try:
+            call = self._to_call(t, req)
+            call.before = functools.partial(self._wait_input, t, req.input_seq)
+            self.core.submit(call)
+        except CallError as e:
+            self.core.counters.errors += 1
+            self._reply_error(t, req.call_id, e)
+        return True
+
+    def _pick_stream(self, calls: list) -> None:
+        """core.before_batch (gpu_batches): a batch holding a call queued before its input was in
+        runs on that call's tenant's own stream, not the data loop's, so that a wait for an input
+        there holds only the tenants of the batch (whose next calls follow from its results anyway),
+        never everyone's batches behind it. A lone call replays its graphs of that stream."""
+        for c in calls:
+            areas = c.tag.tenant.areas if c.before is not None else None
+            if areas is None or areas.stream is None:
+                continue
+            if not areas.warm:  # (as _run_waiting: cuBLAS's first GEMM on a stream synchronises our GPU)
+                if self._gpu_waits():
+                    continue
+                self.core.warm_up(areas.stream)
+                areas.warm = True
+            stream = areas.stream
+            for m in calls:
+                if not m.tag.remote:  # (a remote call's result is handed over behind an event on this stream)
+                    m.tag.stream = stream
+                m.graphs = None  # (the data loop's graphs run on its stream only)
+            if len(calls) == 1 and c.out is not None:
+                c.graphs = self._graphs(areas, own=True)
+            self._batch_on = stream
+            torch.cuda.set_stream(stream)
+            return
+
+    def _wait_input(self, t: Tenant, seq: int) -> None:
+        """As a batch holding t's call runs (on the stream _pick_stream chose): that stream waits
+        on the GPU for the call's input, unless it is in already. The wait is over once the event
+        recorded after the batch (_batch_ran) has passed."""
+        areas = t.areas
+        if reached(t.box.input_word(), seq):
+            return
+        if not areas.waiting():
+            t.waiting_since = time.monotonic()
+        stream_wait((self._batch_on or self._stream).cuda_stream, areas.words, seq)
+        if self._batch_waited is None:
+            self._batch_waited = torch.cuda.Event()
+        areas.await_input(seq, self._batch_waited)
+
+    def _batch_ran(self) -> None:
+        """After core.step: marks the end of a batch that waited for inputs, back on our stream."""
+        stream = self._batch_on or self._stream
+        if self._batch_waited is not None:
+            self._batch_waited.record(stream)
+            self._batch_waited = None
+        if self._batch_on is not None:
+            torch.cuda.set_stream(self._stream)
+            self._batch_on = None
 
     def _company(self, tenants: list[Tenant], remote: list, now: float) -> tuple[bool | set, float]:
         """Which queues may still get company in their batch (True: any; a set of (unit, op)s;

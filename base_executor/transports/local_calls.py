@@ -235,7 +235,7 @@ class LocalCalls:
             self.core.scheduler.lost_track(t.id)  # (where it is in its round of units: not seen)
             if areas.lane.was_idle or not areas.awaiting:
                 t.waiting_since = now  # (as _run_waiting: the stall clock starts with a wait on an idle stream)
-            areas.awaiting = areas.lane.awaiting
+            areas.await_input(areas.lane.awaiting)
         return n
 
     def _fold_lane(self, areas) -> None:

@@ -66,16 +66,16 @@ def train(url: str, steps: int, sync=lambda: None, device: str = "cpu", seed: in
     return out
 
 
-def generate(url: str, prompts: int, sync=lambda: None) -> dict:
-    model = virtualize(build_builtin("tiny-llama"), url)
+def generate(url: str, prompts: int, sync=lambda: None, device: str = "cpu", seed: int = 0) -> dict:
+    model = virtualize(build_builtin("tiny-llama").to(device), url)
     sync()
     out = {}
     for i in range(prompts):
-        prompt = ids(1, 4 + i % 3, seed=200 + i)
+        prompt = ids(1, 4 + i % 3, seed=200 + i + 1000 * seed).to(device)
         out[f"tokens:{i}"] = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             out[f"logits:{i}"] = model(out[f"tokens:{i}"]).logits
-    return out
+    return {k: v.cpu() for k, v in out.items()}
 
 
 if __name__ == "__main__":
@@ -86,9 +86,9 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
     p.add_argument("--parties", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="train only: cuda:N builds a same-GPU tenant from the skeleton")
-    p.add_argument("--seed", type=int, default=0, help="train on cuda only: the adapter's rank and init, the data")
+    p.add_argument("--device", default="cpu", help="cuda:N: a same-GPU tenant (train: built from the skeleton)")
+    p.add_argument("--seed", type=int, default=0, help="the data (train on cuda: also the adapter's rank and init)")
     a = p.parse_args()
     sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
-    result = train(a.url, a.n, sync, a.device, a.seed) if a.mode == "train" else generate(a.url, a.n, sync)
+    result = train(a.url, a.n, sync, a.device, a.seed) if a.mode == "train" else generate(a.url, a.n, sync, a.device, a.seed)
     torch.save(result, a.out)
