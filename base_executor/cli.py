@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         exact=args.exact,
         convoys=args.convoys,
-        catch_up_us=args.catch_up_us,
+        catch_up_us=args.catch_up_us if args.catch_up_us is not None else 1000 if args.gpu_batches else 0,
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
@@ -481,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "for every member's input (by default it waits on the host until its input is in); tenants whose "
                    "hosts run ahead of their GPUs then meet in batches. A stalled tenant holds the batches behind it "
                    "until it is detached (30 s)")
-    s.add_argument("--catch-up-us", type=int, default=1000, help="opportunistic: how long a queue waits for a tenant "
-                   "whose queued later call will reach it (its earlier calls run meanwhile); 0: never")
+    s.add_argument("--catch-up-us", type=int, default=None, help="opportunistic: how long a queue waits for a tenant "
+                   "whose queued later call will reach it (its earlier calls run meanwhile); 0: never; default 1000 "
+                   "with --gpu-batches (where tenants queue calls ahead), else 0")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
 

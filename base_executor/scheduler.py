@@ -74,9 +74,9 @@ class SchedulerConfig:
     """Tokens one tenant may have queued at once; more are refused with RETRY_LATER (0: no limit)."""
     max_queued_tokens: int = 0
     """Tokens queued over all tenants past which new calls are refused with RETRY_LATER (0: no limit)."""
-    catch_up_us: int = 1000
+    catch_up_us: int = 0
     """Opportunistic: how long a queue that another tenant's queued later call will reach waits
-    for it (module docstring, catching up); 0: never."""
+    for it (module docstring, catching up); 0: never (serve's default with --gpu-batches: 1000)."""
     convoys: bool = False
     """Opportunistic: a queue waits only for tenants expected at it (`Scheduler.expected`); False: for
     any tenant that called lately, wherever it goes next (the default: on a busy GPU a wait costs

@@ -319,7 +319,7 @@ def test_a_tenants_own_later_calls_are_not_waited_for(model):
 
 def test_waits_count_from_when_a_call_became_its_tenants_oldest(model):
     """A call queued behind its tenant's earlier one waits its class's wait from that one's run."""
-    core = core_for(model, max_wait_us=1000, catch_up_us=0)
+    core = core_for(model, max_wait_us=1000)
     core.submit(call(core, 1, Q, 1, t=0.0))
     core.submit(call(core, 1, K, 1, t=0.0, seed=1))
     assert [r.call.unit.id for r in core.step(now=0.0010)] == [Q]
