@@ -124,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         exact=args.exact,
         convoys=args.convoys,
-        catch_up_us=args.catch_up_us if args.catch_up_us is not None else 1000 if args.gpu_batches else 0,
+        catch_up_us=(args.catch_up_us if args.catch_up_us is not None
+                     else 1000 if args.gpu_batches and device.type == "cuda" and not args.no_gpu_waits else 0),
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)

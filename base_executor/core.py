@@ -267,10 +267,10 @@ class ExecutorCore:
     def _run(self, calls: list[Call]) -> list[Result]:
         """One GEMM over the calls' rows, split back per call."""
         exact = self.scheduler.config.exact
-        for c in calls:
-            if c.before is not None:  # (a transport's GPU wait for its input, on this stream)
-                c.before()
         try:
+            for c in calls:
+                if c.before is not None:  # (a transport's GPU wait for its input, on this stream)
+                    c.before()
             if len(calls) == 1:  # straight into the tenant's output mailbox when it offers one
                 c = calls[0]
                 if c.graphs is not None:

@@ -192,9 +192,8 @@ class Scheduler:
         self._per_tenant[call.tenant] += 1
         self._tenant_tokens[call.tenant] += call.tokens
         order = self._order.setdefault(call.tenant, collections.deque())
-        if not order:
-            call.head_at = call.arrived
-        else:
+        call.head_at = call.arrived  # (catching up: set again when it becomes its tenant's oldest)
+        if order:
             self._behind.setdefault(key, collections.Counter())[call.tenant] += 1
         order.append(call)
         self.queued_tokens += call.tokens
@@ -306,6 +305,8 @@ class Scheduler:
         for c in best_ready[1:]:
             if tokens + c.tokens > self.config.max_batch_tokens:
                 break
+            if (c.before is None) != (batch[0].before is None):
+                continue  # (a call whose input the GPU waits for joins only others of its kind: the transport's)
             tokens += c.tokens
             batch.append(c)
         q = self._queues[best]
@@ -338,7 +339,8 @@ class Scheduler:
             order.popleft()
             if order:  # (its next call may run from now on)
                 n = order[0]
-                n.head_at = max(n.arrived, now if now is not None else n.arrived)
+                if self.config.catch_up_us and now is not None:  # (else waits count from arrival, as always)
+                    n.head_at = max(n.arrived, now)
                 self._unbehind((n.unit.id, n.op), n.tenant)
         else:
             order.remove(c)

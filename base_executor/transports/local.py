@@ -382,14 +382,15 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         stream waits on the GPU for the input (_wait_input). False when it must be held on the host
         instead (an embedding, whose ids are checked on the host; no GPU waits)."""
         areas = t.areas
-        if not (self.config.gpu_batches and self.config.gpu_waits and req.input_seq and areas.stream is not None):
+        if not (self.config.gpu_batches and self.config.gpu_waits and req.input_seq and areas.stream is not None
+                and areas.warm):  # (warm: its batches run on a stream of its own, _pick_stream)
             return False
         unit = self.core.table.get(req.unit)
         if unit is None or unit.kind == "embedding":
             return False
         try:
             call = self._to_call(t, req)
-            call.before = functools.partial(self._wait_input, t, req.input_seq)
+            call.before = functools.partial(self._wait_input, t, call.tag.area, req.input_seq)
             self.core.submit(call)
         except CallError as e:
             self.core.counters.errors += 1
@@ -403,13 +404,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         never everyone's batches behind it. A lone call replays its graphs of that stream."""
         for c in calls:
             areas = c.tag.tenant.areas if c.before is not None else None
-            if areas is None or areas.stream is None:
+            if areas is None or areas.stream is None or not areas.warm:  # (warm: cuBLAS's first GEMM on a stream synchronises our GPU)
                 continue
-            if not areas.warm:  # (as _run_waiting: cuBLAS's first GEMM on a stream synchronises our GPU)
-                if self._gpu_waits():
-                    continue
-                self.core.warm_up(areas.stream)
-                areas.warm = True
             stream = areas.stream
             for m in calls:
                 if not m.tag.remote:  # (a remote call's result is handed over behind an event on this stream)
@@ -421,12 +417,13 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             torch.cuda.set_stream(stream)
             return
 
-    def _wait_input(self, t: Tenant, seq: int) -> None:
+    def _wait_input(self, t: Tenant, area, seq: int) -> None:
         """As a batch holding t's call runs (on the stream _pick_stream chose): that stream waits
         on the GPU for the call's input, unless it is in already. The wait is over once the event
-        recorded after the batch (_batch_ran) has passed."""
+        recorded after the batch (_batch_ran) has passed. A tenant detached or regrown since is not
+        waited for (its result goes nowhere: _deliver)."""
         areas = t.areas
-        if reached(t.box.input_word(), seq):
+        if self.tenants.get(t.id) is not t or t.area is not area or reached(t.box.input_word(), seq):
             return
         if not areas.waiting():
             t.waiting_since = time.monotonic()
