@@ -351,7 +351,10 @@ class Scheduler:
     def _behind_at(self, key, ready: list[Call]) -> bool:
         """Whether a tenant other than those of `ready` has a later call queued at `key`."""
         behind = self._behind.get(key)
-        return bool(behind) and any(t not in {c.tenant for c in ready} for t in behind)
+        if not behind:
+            return False
+        here = {c.tenant for c in ready}
+        return any(t not in here for t in behind)
 
     def _unbehind(self, key, tenant: int) -> None:
         behind = self._behind[key]

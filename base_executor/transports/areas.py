@@ -48,7 +48,7 @@ class Areas:
     out_word: int = 0  # device address of the mailbox's output word (set with `words`)
     stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
     awaiting: int = 0  # the input_seq queued on `stream` (or before `waited`) to wait for (0: none)
-    waited: "torch.cuda.Event | None" = None  # recorded after a batch on the data loop's stream that waits for `awaiting`; None: `stream` waits
+    waited: "torch.cuda.Event | None" = None  # recorded after a batch on another stream that waits for `awaiting`; None: `stream` waits
     warm: bool = False  # the data loop's GEMMs have run on `stream` once
     checked: dict = dataclasses.field(default_factory=dict)  # call headers found valid for this data area (LocalServer._check)
     graphs: "object | None" = None  # base_executor.graphs.CallGraphs of its calls on the data loop's stream
@@ -73,15 +73,15 @@ class Areas:
         return mailbox.Mailbox.total_bytes(self.box.data_bytes) + (self.gpu.nbytes if self.gpu is not None else 0)
 
     def waiting(self) -> bool:
-        """Whether a stream of ours may still wait for the tenant's input: `stream`, or the data
-        loop's up to `waited`. Their progress says so, not the word, which the tenant could set back."""
+        """Whether a stream of ours may still wait for the tenant's input: `stream`, or a batch's
+        stream up to `waited`. Their progress says so, not the word, which the tenant could set back."""
         if self.awaiting and (self.waited.query() if self.waited is not None else self.stream.query()):
             self.awaiting, self.waited = 0, None
         return bool(self.awaiting)
 
     def await_input(self, seq: int, waited: "torch.cuda.Event | None" = None) -> None:
         """A stream of ours now waits for input `seq` (after any earlier one: the tenant's inputs
-        come in order): `stream`, or the data loop's until `waited` (recorded later, before the
+        come in order): `stream`, or a batch's stream until `waited` (recorded later, before the
         next look at waiting())."""
         self.awaiting, self.waited = seq, waited
 

@@ -90,8 +90,8 @@ class LocalServerConfig:
     solo_tokens) is queued for a batch before its input is in, the batch's stream waiting on the
     GPU for every member's input (else it waits on the host until its input is in, then queues).
     Tenants whose hosts run ahead of their GPUs then meet in batches (the scheduler's catching up),
-    with no host round trip per call. A stalled tenant holds the batches queued behind its input on
-    the data loop's stream until it is detached (input_timeout_s)."""
+    with no host round trip per call. A batch runs on a waiting member's own stream: a stalled
+    tenant holds its batch's other members until it is detached (input_timeout_s)."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
@@ -333,10 +333,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         replay there teaches t's native lane its header (_learn). False when the call must go
         the scheduler's way instead (held first while its input is not in)."""
         areas = t.areas
-        if not (self.config.gpu_waits and req.input_seq and areas.stream is not None):
-            return False
-        unit = self.core.table.get(req.unit)
-        if unit is None or unit.kind == "embedding":  # its ids are checked on the host
+        if not self._gpu_may_wait(t, req):
             return False
         if not (self._alone(t, (req.unit, req.op)) or self._solo(t, req)):
             return False
@@ -356,10 +353,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         stream = areas.stream
         if log.isEnabledFor(logging.DEBUG) and not self._input_in(t, req):
             log.debug("call %d of tenant %d taken before its input is in: the GPU waits for it", req.call_id, t.id)
-        if not areas.waiting():
-            t.waiting_since = time.monotonic()  # (stays while a stuck stream keeps getting calls)
-        stream_wait(stream.cuda_stream, areas.words, req.input_seq)
-        areas.await_input(req.input_seq)  # (releasing it releases any before)
+        self._gpu_wait(t, stream, req.input_seq)
         call.tag.stream = stream
         if call.graphs is not None:
             call.graphs = self._graphs(areas, own=True)
@@ -377,16 +371,30 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 log.warning("native serving off: teaching a lane a call failed (%s: %s)", type(e).__name__, e)
         return True
 
+    def _gpu_may_wait(self, t: Tenant, req: pb.CallRequest) -> bool:
+        """Whether a stream of ours may wait on the GPU for this same-GPU call's input (the tenant's
+        own stream is set up for it, and its input is not embedding ids, which are checked on the host)."""
+        if not (self.config.gpu_waits and req.input_seq and t.areas.stream is not None):
+            return False
+        unit = self.core.table.get(req.unit)
+        return unit is not None and unit.kind != "embedding"
+
+    def _gpu_wait(self, t: Tenant, stream, seq: int, waited=None) -> None:
+        """Queues on `stream` a wait for t's input `seq`, and notes it in t's areas (until `waited`,
+        an event recorded after it, when `stream` is not t's own). The stall clock starts with a
+        wait on an idle stream and stays while a stuck stream keeps getting calls."""
+        areas = t.areas
+        if not areas.waiting():
+            t.waiting_since = time.monotonic()
+        stream_wait(stream.cuda_stream, areas.words, seq)
+        areas.await_input(seq, waited)  # (releasing it releases any before)
+
     def _queue_ahead(self, t: Tenant, req: pb.CallRequest) -> bool:
         """Queues a same-GPU call whose input is not in yet for a batch (gpu_batches): its batch's
         stream waits on the GPU for the input (_wait_input). False when it must be held on the host
         instead (an embedding, whose ids are checked on the host; no GPU waits)."""
-        areas = t.areas
-        if not (self.config.gpu_batches and self.config.gpu_waits and req.input_seq and areas.stream is not None
-                and areas.warm):  # (warm: its batches run on a stream of its own, _pick_stream)
-            return False
-        unit = self.core.table.get(req.unit)
-        if unit is None or unit.kind == "embedding":
+        # (warm: its batches run on a stream of its own, _pick_stream)
+        if not (self.config.gpu_batches and t.areas.warm and self._gpu_may_wait(t, req)):
             return False
         try:
             call = self._to_call(t, req)
@@ -422,15 +430,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         on the GPU for the call's input, unless it is in already. The wait is over once the event
         recorded after the batch (_batch_ran) has passed. A tenant detached or regrown since is not
         waited for (its result goes nowhere: _deliver)."""
-        areas = t.areas
         if self.tenants.get(t.id) is not t or t.area is not area or reached(t.box.input_word(), seq):
             return
-        if not areas.waiting():
-            t.waiting_since = time.monotonic()
-        stream_wait((self._batch_on or self._stream).cuda_stream, areas.words, seq)
         if self._batch_waited is None:
             self._batch_waited = torch.cuda.Event()
-        areas.await_input(seq, self._batch_waited)
+        self._gpu_wait(t, self._batch_on or self._stream, seq, self._batch_waited)
 
     def _batch_ran(self) -> None:
         """After core.step: marks the end of a batch that waited for inputs, back on our stream."""
