@@ -286,10 +286,12 @@ class ServeLane {
  public:
   ServeLane(py::object mailbox, size_t request_ring_offset, size_t reply_ring_offset, uint32_t nslots,
             uint32_t slot_size, size_t reply_bell_offset, uintptr_t stream, uintptr_t input_word,
-            uintptr_t output_word, int device)
+            uintptr_t output_word, int device, size_t input_word_offset)
       : requests_(mailbox, request_ring_offset, nslots, slot_size),
         replies_(mailbox, reply_ring_offset, nslots, slot_size),
         bell_(mailbox, reply_bell_offset),
+        input_seen_(mailbox, input_word_offset & ~size_t(63), 64),
+        input_in_page_(input_word_offset & 63),
         stream_(stream),
         input_word_(input_word),
         output_word_(output_word),
@@ -333,6 +335,7 @@ class ServeLane {
         if (it == entries_.end()) break;
         Entry& e = it->second;
         if (n == 0) was_idle_ = d.stream_query(as_stream(stream_)) == 0;
+        if (input_reached(seq)) ++late_;  // (the tenant's GPU got here first: it waited for us)
         if ((rc = d.wait_value32(as_stream(stream_), input_word_, seq, 0 /* GEQ */)) != 0) { failed = "cuStreamWaitValue32"; break; }
         requests_.drop_front();  // (its GPU wait is queued: from here on it is ours)
         awaiting_ = seq;
@@ -370,6 +373,9 @@ class ServeLane {
 
   // The input_seq the stream was last made to wait for (0: none yet).
   uint32_t awaiting() const { return awaiting_; }
+  // Calls served whose input was in already when their wait was queued (the tenant's GPU reached
+  // the call before this lane did): how often the host's round trip was on the tenant's path.
+  uint64_t late() const { return late_; }
   // Whether the stream had finished all its work when the last serve() that served began.
   bool was_idle() const { return was_idle_; }
 
@@ -381,12 +387,21 @@ class ServeLane {
     uint64_t served;
   };
 
+  // The host's reading of the GPU wait's condition (proto/cuda_ipc.py reached()).
+  bool input_reached(uint32_t seq) const {
+    uint32_t word = reinterpret_cast<const std::atomic<uint32_t>*>(input_seen_.base + input_in_page_)->load(std::memory_order_acquire);
+    return static_cast<uint32_t>(word - seq) < 0x80000000u;
+  }
+
   symbiont_shm::Ring requests_, replies_;
   symbiont_shm::Doorbell bell_;
+  symbiont_shm::Region input_seen_;
+  size_t input_in_page_;
   uintptr_t stream_, input_word_, output_word_;
   int device_;
   std::unordered_map<std::string, Entry> entries_;
   std::vector<std::pair<uint32_t, uint64_t>> unfolded_;
+  uint64_t late_ = 0;
   uint32_t awaiting_ = 0;
   bool was_idle_ = false;
 };
@@ -417,16 +432,17 @@ PYBIND11_MODULE(_stream_ops, m) {
       .def_property_readonly("pushed", &Lane::pushed)
       .def_property_readonly("waited", &Lane::waited);
   py::class_<ServeLane>(m, "ServeLane")
-      .def(py::init<py::object, size_t, size_t, uint32_t, uint32_t, size_t, uintptr_t, uintptr_t, uintptr_t, int>(),
+      .def(py::init<py::object, size_t, size_t, uint32_t, uint32_t, size_t, uintptr_t, uintptr_t, uintptr_t, int, size_t>(),
            py::arg("mailbox"), py::arg("request_ring_offset"), py::arg("reply_ring_offset"), py::arg("nslots"),
            py::arg("slot_size"), py::arg("reply_bell_offset"), py::arg("stream"), py::arg("input_word"),
-           py::arg("output_word"), py::arg("device"))
+           py::arg("output_word"), py::arg("device"), py::arg("input_word_offset"))
       .def("learn", &ServeLane::learn, py::arg("header"), py::arg("graph_exec"), py::arg("reply"), py::arg("index"))
       .def("forget", &ServeLane::forget, py::arg("header"))
       .def("serve", &ServeLane::serve, py::arg("most"))
       .def("take_counts", &ServeLane::take_counts)
       .def("__len__", &ServeLane::size)
       .def_property_readonly("awaiting", &ServeLane::awaiting)
+      .def_property_readonly("late", &ServeLane::late)
       .def_property_readonly("was_idle", &ServeLane::was_idle);
   m.def("split_request", [](const py::bytes& raw) -> py::object {
     std::string s(raw);

@@ -57,6 +57,7 @@ class Areas:
     lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
     lane_small: bool = False  # the lane knows a call of fewer than solo_tokens tokens (LocalServer._learn)
     lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
+    lane_late: int = 0  # the lane's `late` count folded into LocalServer.paths
 
     @property
     def data(self):

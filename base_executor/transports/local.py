@@ -21,6 +21,7 @@ its ring or never reads its replies is detached and its mailbox reclaimed.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -135,6 +136,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self._control_done = threading.Event()
         self._row_norms: dict[str, list[float]] = {}  # unit -> its rows' squared norms, once asked (DoRA)
         self._norms_stream = None  # where they are computed, on a GPU executor
+        # how same-GPU calls were taken (native lane, own stream, held, queued) and the data loop's
+        # rounds and busy time: logged when serving ends (where a call's host time goes)
+        self.paths: collections.Counter = collections.Counter()
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -204,7 +208,10 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._capture_stream = torch.cuda.Stream(self.core.device)
                 self.core.warm_up(self._capture_stream)
         next_liveness = time.monotonic() + self.config.liveness_interval_s
+        paths = self.paths
+        woke = time.monotonic()
         while True:
+            paths["rounds"] += 1
             seq = self.wake.seq()
             stopping = self.stopping.is_set()
             if self.areas.has_retired() and not self._gpu_waits():  # freeing memory may wait for every stream of our GPU
@@ -232,7 +239,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 ran = True
             if stopping and self.core.scheduler.pending() == 0:
                 self._fold_lanes()
+                paths["busy us"] += int((time.monotonic() - woke) * 1e6)
                 log.info("drained; %d calls served", self.core.counters.calls)
+                log.info("same-GPU calls taken: %s", ", ".join(f"{k} {v}" for k, v in sorted(paths.items())))
                 return
             now = time.monotonic()
             if now >= next_liveness:
@@ -251,7 +260,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
+            paths["busy us"] += int((time.monotonic() - woke) * 1e6)
             self.wake.wait(seq, self.config.spin_us, max(0, int((until - time.monotonic()) * 1e6)))
+            woke = time.monotonic()
 
     def _drain_safely(self, t: Tenant, stopping: bool) -> int:
         try:
@@ -275,11 +286,13 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 req, since = t.held
                 if not self._input_in(t, req):
                     if self._run_waiting(t, req):
+                        self.paths["held, then own stream"] += 1
                         t.held = None
                         continue
                     if time.monotonic() - since > self.config.input_timeout_s:
                         self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
                     return n
+                self.paths["held, then queued"] += 1
                 t.held = None
             else:
                 try:
@@ -301,13 +314,17 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
                 if t.gpu is not None and not stopping:
                     if self._run_waiting(t, req):
+                        self.paths["own stream"] += 1
                         continue
                     if not self._input_in(t, req):
                         if self._queue_ahead(t, req):
+                            self.paths["queued ahead"] += 1
                             continue
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
+                        self.paths["held"] += 1
                         t.held = (req, time.monotonic())
                         continue
+                    self.paths["queued, input in"] += 1
             if stopping:
                 self._reply_error(t, req.call_id, CallError(pb.UNAVAILABLE, "executor is shutting down"))
                 continue
@@ -334,8 +351,10 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         the scheduler's way instead (held first while its input is not in)."""
         areas = t.areas
         if not self._gpu_may_wait(t, req):
+            self.paths["no GPU wait"] += 1
             return False
         if not (self._alone(t, (req.unit, req.op)) or self._solo(t, req)):
+            self.paths["not alone, earlier queued" if self.core.scheduler.waiting(t.id) else "not alone"] += 1
             return False
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up

@@ -122,7 +122,7 @@ class LocalCalls:
             areas.lane = ops.ServeLane(
                 areas.box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.REPLY_RING_OFFSET, mailbox.RING_SLOTS,
                 mailbox.RING_SLOT_SIZE, mailbox.REPLY_BELL_OFFSET, areas.stream.cuda_stream, areas.words, areas.out_word,
-                self.core.device.index,
+                self.core.device.index, mailbox.INPUT_WORD_OFFSET,
             )
             call.graphs.on_drop = lambda key: self._unlearn(areas, key)
         header = pb.CallRequest()
@@ -230,6 +230,7 @@ class LocalCalls:
         areas = t.areas
         n = areas.lane.serve(mailbox.RING_SLOTS)
         if n:
+            self.paths["lane"] += n
             now = time.monotonic()
             t.last_call = now
             self.core.scheduler.lost_track(t.id)  # (where it is in its round of units: not seen)
@@ -243,6 +244,9 @@ class LocalCalls:
         if areas.lane is None:
             return
         k = self.core.counters
+        late = areas.lane.late
+        self.paths["lane late"] += late - areas.lane_late
+        areas.lane_late = late
         for index, n in areas.lane.take_counts():
             unit, op, tokens, latency, tenant, adapter, epoch = areas.lane_units[index]
             self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
