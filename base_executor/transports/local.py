@@ -284,11 +284,13 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 n += self._serve_lane(t)  # up to the first call it does not know, which we take next
             if t.held is not None:
                 req, since = t.held
+                # (in or not, its input: on its own stream once nothing of t is queued, as a fresh
+                # call would be; else a tenant whose GPU keeps up has every later call held too)
+                if self._run_waiting(t, req):
+                    self.paths["held, then own stream"] += 1
+                    t.held = None
+                    continue
                 if not self._input_in(t, req):
-                    if self._run_waiting(t, req):
-                        self.paths["held, then own stream"] += 1
-                        t.held = None
-                        continue
                     if time.monotonic() - since > self.config.input_timeout_s:
                         self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
                     return n
@@ -321,7 +323,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                             self.paths["queued ahead"] += 1
                             continue
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
-                        self.paths["held"] += 1
+                        self.paths["held, an earlier call queued" if self.core.scheduler.waiting(t.id) else "held"] += 1
                         t.held = (req, time.monotonic())
                         continue
                     self.paths["queued, input in"] += 1
@@ -351,10 +353,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         the scheduler's way instead (held first while its input is not in)."""
         areas = t.areas
         if not self._gpu_may_wait(t, req):
-            self.paths["no GPU wait"] += 1
             return False
         if not (self._alone(t, (req.unit, req.op)) or self._solo(t, req)):
-            self.paths["not alone, earlier queued" if self.core.scheduler.waiting(t.id) else "not alone"] += 1
             return False
         if not areas.warm:
             # A GEMM on a stream this thread has not used yet synchronises our GPU (cuBLAS sets up
