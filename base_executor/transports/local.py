@@ -218,7 +218,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._release_retired()
             with self.lock:
                 tenants = list(self.tenants.values())
-                got = sum(self._drain_safely(t, stopping) for t in tenants)
+                # (a tenant with nothing in its ring and no call held has nothing to drain: looking
+                # costs ~1 us, draining it ~5 us of Python and a GIL release in its lane)
+                got = sum(self._drain_safely(t, stopping) for t in tenants if t.held is not None or t.box.requests.pending())
             got += self._drain_remote(stopping)
             with self.lock:  # (gRPC threads attach and detach remote tenants)
                 remote = list(self.remote.values())
