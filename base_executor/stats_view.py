@@ -11,6 +11,7 @@ import time
 from google.protobuf.descriptor import FieldDescriptor
 
 from symbiont.base_executor.provider import request
+from symbiont.base_executor.transports.call_paths import LATE, NATIVE
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import urls
 
@@ -54,6 +55,7 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
         )
     else:
         lines.append(f"since start: {now.flops / max(now.uptime_s, 1e-9) / 1e12:.3f} TFLOP/s")
+    lines.append(paths_line(now, before))
     lines.append(
         f"memory: executor GPU {now.gpu_allocated_bytes / 2**30:.2f} GiB allocated, {now.gpu_reserved_bytes / 2**30:.2f} GiB "
         f"reserved; mailboxes {now.mailbox_bytes / 2**20:.1f} MiB; host private {now.rss_anon_bytes / 2**20:.0f} MiB"
@@ -72,6 +74,25 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
             lines.append(f"{t.tenant_id:>6} {t.name[:24]:<24} {t.pid:>8} {t.placement:<9} {t.calls:>9} {cps:>8} "
                          f"{t.queued_calls:>6} {t.mailbox_bytes / 2**20:>11.1f} {t.refused:>7}")
     return "\n".join(lines)
+
+
+def paths_line(now: pb.StatsReply, before: pb.StatsReply | None = None) -> str:
+    """How the data loop took the calls, each way's share: since `before` when it took any since,
+    else since start; and how much of that time the loop was at work."""
+    def taken(old) -> dict[str, int]:
+        return {k: v - old.get(k, 0) for k, v in now.call_paths.items() if v - old.get(k, 0)}
+
+    ways = taken(before.call_paths) if before is not None else {}
+    if not ways:
+        before, ways = None, taken({})
+    late = ways.pop(LATE, 0)
+    total = sum(ways.values())
+    busy = now.loop_busy_s - (before.loop_busy_s if before is not None else 0.0)
+    up = now.uptime_s - (before.uptime_s if before is not None else 0.0)
+    shares = ", ".join(f"{k} {v / total:.0%}" + (f" ({late / v:.0%} of them late)" if k == NATIVE else "")
+                       for k, v in sorted(ways.items(), key=lambda kv: -kv[1]))
+    return (f"calls taken{'' if before is not None else ' since start'}: {shares or 'none yet'} | data loop at work "
+            f"{busy / max(up, 1e-9):.0%} of the time, {now.loop_rounds - (before.loop_rounds if before is not None else 0)} rounds")
 
 
 def rank_urls(url: str, timeout_s: float = 5.0) -> list[str]:
@@ -105,6 +126,8 @@ def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
     tenants: dict[int, pb.TenantStats] = {}  # by pid
     for r in replies:
         out.units.extend(r.units)
+        for k, v in r.call_paths.items():
+            out.call_paths[k] += v
         for c in r.classes:
             m = classes.get(c.latency)
             if m is None:
@@ -224,6 +247,13 @@ class StatsCollector:
         yield gauge("merged_bytes", "the merged adapter's copies of its units", s.merged_bytes)
         yield counter("merged_tokens", "tokens of calls served by a merged adapter's copies", s.merged_tokens)
         yield gauge("mailbox_bytes", "tenant mailboxes not yet freed", s.mailbox_bytes)
+        paths = CounterMetricFamily("symbiont_call_paths", "calls by how the data loop took them (late: native-lane "
+                                    "calls whose input was in first)", labels=["path"])
+        for k, v in sorted(s.call_paths.items()):
+            paths.add_metric([k], v)
+        yield paths
+        yield counter("loop_busy_seconds", "the data loop's time at work, not waiting to be woken", s.loop_busy_s)
+        yield counter("loop_rounds", "the data loop's rounds", s.loop_rounds)
         yield gauge("gpu_allocated_bytes", "the executor's GPU memory, torch's allocator", s.gpu_allocated_bytes)
         yield gauge("host_private_bytes", "the executor's private host memory", s.rss_anon_bytes)
         batches = CounterMetricFamily("symbiont_class_batches", "batches by class and calls per batch",

@@ -82,6 +82,32 @@ def test_stats_command_and_prometheus_endpoint():
         assert calls == conn.stats().calls == 8  # embedding, 2 x (q/k/v, o, MLP), lm_head
         assert 'symbiont_class_batches_total{calls_per_batch="1",latency="inference"}' in body
         assert 'symbiont_tenant_calls_total{name="stats-tenant"' in body
+        # how the calls were taken: a CPU tenant's from its host mailbox; the data loop's rounds and time at work
+        s = conn.stats()
+        assert dict(s.call_paths) == {"host mailbox": 8}, s.call_paths
+        assert s.loop_rounds > 0 and 0 < s.loop_busy_s < s.uptime_s, s
+        assert "calls taken since start: host mailbox 100%" in out.stdout and "data loop at work" in out.stdout
+        assert 'symbiont_call_paths_total{path="host mailbox"} 8.0' in body
+        assert "symbiont_loop_busy_seconds_total" in body
+
+
+def test_stats_of_ranks_merged_add_up_the_ways_calls_were_taken():
+    from symbiont.base_executor.stats_view import merged, paths_line
+
+    a = pb.StatsReply(calls=10, call_paths={"native lane": 6, "native lane, input in first": 3, "own stream": 4},
+                      loop_rounds=5, loop_busy_s=1.0, uptime_s=4.0)
+    b = pb.StatsReply(calls=2, call_paths={"host mailbox": 2}, loop_rounds=1, loop_busy_s=0.5, uptime_s=4.0)
+    m = merged([a, b])
+    assert dict(m.call_paths) == {"native lane": 6, "native lane, input in first": 3, "own stream": 4, "host mailbox": 2}
+    assert m.calls == 12 and m.loop_rounds == 6
+    line = paths_line(a)
+    # (the late ones are a part of the native lane's, not a way of their own)
+    assert line.startswith("calls taken since start: native lane 60% (50% of them late), own stream 40%"), line
+    assert "data loop at work 25% of the time, 5 rounds" in line
+    earlier = pb.StatsReply(call_paths={"native lane": 2, "own stream": 4}, loop_rounds=3, loop_busy_s=0.5, uptime_s=3.0)
+    assert paths_line(a, earlier).startswith("calls taken: native lane 100% (75% of them late) | data loop at work 50%")
+    assert paths_line(a, a).startswith("calls taken since start: native lane 60%")  # (none since: the totals)
+    assert paths_line(pb.StatsReply()).startswith("calls taken since start: none yet")
 
 
 def test_a_training_steps_calls_are_training_and_no_grad_calls_inference(executor):

@@ -81,8 +81,11 @@ def test_grpc_tenant_is_exact_beside_a_local_tenant(insecure):
     lref, lrem = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), connect(insecure.grpc))
     assert_backward_matches(lref, lrem, x)
     with connect(insecure.url) as observer:
-        placements = sorted(t.placement for t in observer.stats().tenant_stats)
+        s = observer.stats()
+        placements = sorted(t.placement for t in s.tenant_stats)
     assert placements.count("remote") == 2 and "cpu" in placements
+    remote_calls = sum(t.calls for t in s.tenant_stats if t.placement == "remote")
+    assert s.call_paths["remote"] == remote_calls and s.call_paths["host mailbox"] == s.calls - remote_calls, s
 
 
 def test_large_calls_travel_in_chunks(insecure):

@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError, ExecutorCore
 from symbiont.base_executor.transports.areas import AreaPool, Tenant, owner_alive
+from symbiont.base_executor.transports.call_paths import AHEAD, HELD_OWN, HELD_QUEUED, MAILBOX, OWN, QUEUED
 from symbiont.base_executor.transports.local_calls import LocalCalls
 from symbiont.base_executor.transports.local_control import LocalControl
 from symbiont.base_executor.transports.remote import RemoteTenants
@@ -136,9 +137,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         self._control_done = threading.Event()
         self._row_norms: dict[str, list[float]] = {}  # unit -> its rows' squared norms, once asked (DoRA)
         self._norms_stream = None  # where they are computed, on a GPU executor
-        # how same-GPU calls were taken (native lane, own stream, held, queued) and the data loop's
-        # rounds and busy time: logged when serving ends (where a call's host time goes)
+        # how calls were taken (NATIVE, OWN, ...), and the data loop's rounds and time at work (not
+        # waiting for a wake): where a call's host time goes (stats, and the log when serving ends)
         self.paths: collections.Counter = collections.Counter()
+        self.loop_rounds = 0
+        self.loop_busy_s = 0.0
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -208,10 +211,9 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 self._capture_stream = torch.cuda.Stream(self.core.device)
                 self.core.warm_up(self._capture_stream)
         next_liveness = time.monotonic() + self.config.liveness_interval_s
-        paths = self.paths
         woke = time.monotonic()
         while True:
-            paths["rounds"] += 1
+            self.loop_rounds += 1
             seq = self.wake.seq()
             stopping = self.stopping.is_set()
             if self.areas.has_retired() and not self._gpu_waits():  # freeing memory may wait for every stream of our GPU
@@ -241,9 +243,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 ran = True
             if stopping and self.core.scheduler.pending() == 0:
                 self._fold_lanes()
-                paths["busy us"] += int((time.monotonic() - woke) * 1e6)
+                self.loop_busy_s += time.monotonic() - woke
                 log.info("drained; %d calls served", self.core.counters.calls)
-                log.info("same-GPU calls taken: %s", ", ".join(f"{k} {v}" for k, v in sorted(paths.items())))
+                log.info("calls taken: %s; data loop: %d rounds, at work %.1f s of %.1f",
+                         ", ".join(f"{k} {v}" for k, v in sorted(self.paths.items())), self.loop_rounds,
+                         self.loop_busy_s, time.monotonic() - self.started)
                 return
             now = time.monotonic()
             if now >= next_liveness:
@@ -262,7 +266,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
-            paths["busy us"] += int((time.monotonic() - woke) * 1e6)
+            self.loop_busy_s += time.monotonic() - woke
             self.wake.wait(seq, self.config.spin_us, max(0, int((until - time.monotonic()) * 1e6)))
             woke = time.monotonic()
 
@@ -289,14 +293,14 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 # (in or not, its input: on its own stream once nothing of t is queued, as a fresh
                 # call would be; else a tenant whose GPU keeps up has every later call held too)
                 if self._run_waiting(t, req):
-                    self.paths["held, then own stream"] += 1
+                    self.paths[HELD_OWN] += 1
                     t.held = None
                     continue
                 if not self._input_in(t, req):
                     if time.monotonic() - since > self.config.input_timeout_s:
                         self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
                     return n
-                self.paths["held, then queued"] += 1
+                self.paths[HELD_QUEUED] += 1
                 t.held = None
             else:
                 try:
@@ -318,17 +322,18 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
                 if t.gpu is not None and not stopping:
                     if self._run_waiting(t, req):
-                        self.paths["own stream"] += 1
+                        self.paths[OWN] += 1
                         continue
                     if not self._input_in(t, req):
                         if self._queue_ahead(t, req):
-                            self.paths["queued ahead"] += 1
+                            self.paths[AHEAD] += 1
                             continue
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
-                        self.paths["held, an earlier call queued" if self.core.scheduler.waiting(t.id) else "held"] += 1
                         t.held = (req, time.monotonic())
                         continue
-                    self.paths["queued, input in"] += 1
+                    self.paths[QUEUED] += 1
+                elif t.gpu is None:
+                    self.paths[MAILBOX] += 1
             if stopping:
                 self._reply_error(t, req.call_id, CallError(pb.UNAVAILABLE, "executor is shutting down"))
                 continue

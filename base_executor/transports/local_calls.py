@@ -16,9 +16,11 @@ from symbiont.base_executor.core import CallError, Result
 from symbiont.base_executor.graphs import CallGraphs
 from symbiont.base_executor.scheduler import Call
 from symbiont.base_executor.transports.areas import Tenant
+from symbiont.base_executor.transports.call_paths import LATE, NATIVE
 from symbiont.proto import codec, mailbox
 from symbiont.proto.cuda_ipc import native_ops, reached, stream_write
 from symbiont.proto import executor_pb2 as pb
+
 
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)
@@ -230,7 +232,7 @@ class LocalCalls:
         areas = t.areas
         n = areas.lane.serve(mailbox.RING_SLOTS)
         if n:
-            self.paths["lane"] += n
+            self.paths[NATIVE] += n
             now = time.monotonic()
             t.last_call = now
             self.core.scheduler.lost_track(t.id)  # (where it is in its round of units: not seen)
@@ -245,7 +247,7 @@ class LocalCalls:
             return
         k = self.core.counters
         late = areas.lane.late
-        self.paths["lane late"] += late - areas.lane_late
+        self.paths[LATE] += late - areas.lane_late
         areas.lane_late = late
         for index, n in areas.lane.take_counts():
             unit, op, tokens, latency, tenant, adapter, epoch = areas.lane_units[index]

@@ -277,6 +277,9 @@ class LocalControl:
             graph_replays=k.graph_replays,
             graph_captures=k.graph_captures,
             native_calls=k.native_calls,
+            call_paths=dict(self.paths),
+            loop_rounds=self.loop_rounds,
+            loop_busy_s=self.loop_busy_s,
             units=[
                 pb.UnitStats(unit=u, calls=k.per_unit[u], batches=k.per_unit_batches[u], tokens=k.per_unit_tokens[u])
                 for u in sorted(k.per_unit)

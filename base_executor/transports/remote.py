@@ -14,6 +14,7 @@ import torch
 
 from symbiont.base_executor.core import CallError, Result
 from symbiont.base_executor.scheduler import Call
+from symbiont.base_executor.transports.call_paths import REMOTE
 from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
@@ -111,6 +112,7 @@ class RemoteTenants:
                 if self.core.scheduler.config.convoys:
                     self.core.scheduler.note_call(call.tenant, (call.unit.id, call.op))
                 self.core.submit(call)
+                self.paths[REMOTE] += 1
             except CallError as e:
                 self.core.counters.errors += 1
                 call.tag.done(e, None, None)
