@@ -77,19 +77,22 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
 
 
 def paths_line(now: pb.StatsReply, before: pb.StatsReply | None = None) -> str:
-    """How the data loop took the calls, each way's share: since `before` when it took any since,
-    else since start; and how much of that time the loop was at work."""
+    """How the data loop took the calls, each way's share: since `before` when it took any since
+    (and counted on: an executor restarted in between has counted anew), else since start; and how
+    much of that time the loop was at work (a sharded executor's: its busiest rank's, merged())."""
     def taken(old) -> dict[str, int]:
-        return {k: v - old.get(k, 0) for k, v in now.call_paths.items() if v - old.get(k, 0)}
+        return {k: v - old.get(k, 0) for k, v in now.call_paths.items() if v > old.get(k, 0)}
 
-    ways = taken(before.call_paths) if before is not None else {}
-    if not ways:
+    ways = {}
+    if before is not None and now.uptime_s > before.uptime_s and now.loop_busy_s >= before.loop_busy_s:
+        ways = taken(before.call_paths)
+    if not ways or not set(ways) - {LATE}:
         before, ways = None, taken({})
     late = ways.pop(LATE, 0)
     total = sum(ways.values())
     busy = now.loop_busy_s - (before.loop_busy_s if before is not None else 0.0)
     up = now.uptime_s - (before.uptime_s if before is not None else 0.0)
-    shares = ", ".join(f"{k} {v / total:.0%}" + (f" ({late / v:.0%} of them late)" if k == NATIVE else "")
+    shares = ", ".join(f"{k} {v / total:.0%}" + (f" ({min(late, v) / v:.0%} of them late)" if k == NATIVE else "")
                        for k, v in sorted(ways.items(), key=lambda kv: -kv[1]))
     return (f"calls taken{'' if before is not None else ' since start'}: {shares or 'none yet'} | data loop at work "
             f"{busy / max(up, 1e-9):.0%} of the time, {now.loop_rounds - (before.loop_rounds if before is not None else 0)} rounds")
@@ -102,10 +105,11 @@ def rank_urls(url: str, timeout_s: float = 5.0) -> list[str]:
     return found if len(found) > 1 and all(found) else [url]
 
 
-_LARGEST = frozenset({"tenants", "uptime_s", "hosted_adapters", "merge_switches", "merge_switch_ms"})
+_LARGEST = frozenset({"tenants", "uptime_s", "hosted_adapters", "merge_switches", "merge_switch_ms", "loop_busy_s"})
 """StatsReply fields whose value over ranks is the largest rank's: every tenant and every hosted
-adapter is on every rank (and each merge is made on each). The other numbers are summed (each rank
-counts its own units' calls)."""
+adapter is on every rank (and each merge is made on each); and the data loop's time at work, so
+that its share of the time is the busiest rank's. The other numbers are summed (each rank counts its
+own units' calls)."""
 
 
 def merged(replies: list[pb.StatsReply]) -> pb.StatsReply:
@@ -247,11 +251,13 @@ class StatsCollector:
         yield gauge("merged_bytes", "the merged adapter's copies of its units", s.merged_bytes)
         yield counter("merged_tokens", "tokens of calls served by a merged adapter's copies", s.merged_tokens)
         yield gauge("mailbox_bytes", "tenant mailboxes not yet freed", s.mailbox_bytes)
-        paths = CounterMetricFamily("symbiont_call_paths", "calls by how the data loop took them (late: native-lane "
-                                    "calls whose input was in first)", labels=["path"])
+        paths = CounterMetricFamily("symbiont_call_paths", "calls by how the data loop took them", labels=["path"])
         for k, v in sorted(s.call_paths.items()):
-            paths.add_metric([k], v)
+            if k != LATE:
+                paths.add_metric([k], v)
         yield paths
+        yield counter("native_late_calls", "native-lane calls whose input was in before the lane took them "
+                      "(the tenant's GPU waited for the executor's host)", s.call_paths.get(LATE, 0))
         yield counter("loop_busy_seconds", "the data loop's time at work, not waiting to be woken", s.loop_busy_s)
         yield counter("loop_rounds", "the data loop's rounds", s.loop_rounds)
         yield gauge("gpu_allocated_bytes", "the executor's GPU memory, torch's allocator", s.gpu_allocated_bytes)

@@ -295,7 +295,9 @@ class ServeLane {
         stream_(stream),
         input_word_(input_word),
         output_word_(output_word),
-        device_(device) {}
+        device_(device) {
+    if (input_word_offset % 4 != 0) throw std::invalid_argument("input_word_offset must be 4-byte aligned");
+  }
 
   // Serves calls of `header` from now on: `graph_exec` (a cudaGraphExec_t the caller keeps alive
   // until forget) computes it, `reply` is its CallReply without call_id; `index` names it in counts().
@@ -335,9 +337,10 @@ class ServeLane {
         if (it == entries_.end()) break;
         Entry& e = it->second;
         if (n == 0) was_idle_ = d.stream_query(as_stream(stream_)) == 0;
-        if (input_reached(seq)) ++late_;  // (the tenant's GPU got here first: it waited for us)
+        bool late = input_reached(seq);  // (the tenant's GPU got here first: it waited for us)
         if ((rc = d.wait_value32(as_stream(stream_), input_word_, seq, 0 /* GEQ */)) != 0) { failed = "cuStreamWaitValue32"; break; }
         requests_.drop_front();  // (its GPU wait is queued: from here on it is ours)
+        late_ += late;
         awaiting_ = seq;
         if ((rc = d.graph_launch(reinterpret_cast<void*>(e.graph_exec), as_stream(stream_))) != 0) { failed = "cuGraphLaunch"; ++n; break; }
         if ((rc = d.write_value32(as_stream(stream_), output_word_, seq, 0)) != 0) { failed = "cuStreamWriteValue32"; ++n; break; }

@@ -88,7 +88,7 @@ def test_stats_command_and_prometheus_endpoint():
         assert s.loop_rounds > 0 and 0 < s.loop_busy_s < s.uptime_s, s
         assert "calls taken since start: host mailbox 100%" in out.stdout and "data loop at work" in out.stdout
         assert 'symbiont_call_paths_total{path="host mailbox"} 8.0' in body
-        assert "symbiont_loop_busy_seconds_total" in body
+        assert "symbiont_loop_busy_seconds_total" in body and "symbiont_native_late_calls_total 0.0" in body
 
 
 def test_stats_of_ranks_merged_add_up_the_ways_calls_were_taken():
@@ -100,6 +100,7 @@ def test_stats_of_ranks_merged_add_up_the_ways_calls_were_taken():
     m = merged([a, b])
     assert dict(m.call_paths) == {"native lane": 6, "native lane, input in first": 3, "own stream": 4, "host mailbox": 2}
     assert m.calls == 12 and m.loop_rounds == 6
+    assert merged([a, b]).loop_busy_s == 1.0  # (the busiest rank's: its share of the time)
     line = paths_line(a)
     # (the late ones are a part of the native lane's, not a way of their own)
     assert line.startswith("calls taken since start: native lane 60% (50% of them late), own stream 40%"), line
@@ -108,6 +109,11 @@ def test_stats_of_ranks_merged_add_up_the_ways_calls_were_taken():
     assert paths_line(a, earlier).startswith("calls taken: native lane 100% (75% of them late) | data loop at work 50%")
     assert paths_line(a, a).startswith("calls taken since start: native lane 60%")  # (none since: the totals)
     assert paths_line(pb.StatsReply()).startswith("calls taken since start: none yet")
+    restarted = pb.StatsReply(call_paths={"native lane": 1, "own stream": 9}, loop_busy_s=0.1, uptime_s=1.0)
+    assert paths_line(restarted, a).startswith("calls taken since start: own stream 90%, native lane 10%")
+    only_late = pb.StatsReply(call_paths={"native lane": 6, "native lane, input in first": 5, "own stream": 4},
+                              loop_busy_s=1.5, uptime_s=5.0)
+    assert paths_line(only_late, a).startswith("calls taken since start: native lane 60% (83% of them late)")
 
 
 def test_a_training_steps_calls_are_training_and_no_grad_calls_inference(executor):

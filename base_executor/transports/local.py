@@ -291,16 +291,17 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             if t.held is not None:
                 req, since = t.held
                 # (in or not, its input: on its own stream once nothing of t is queued, as a fresh
-                # call would be; else a tenant whose GPU keeps up has every later call held too)
-                if self._run_waiting(t, req):
-                    self.paths[HELD_OWN] += 1
+                # call would be; else a tenant whose GPU keeps up has every later call held too.
+                # Stopping, one whose input is in is answered UNAVAILABLE below, as before)
+                arrived = self._input_in(t, req)
+                if (not stopping or not arrived) and self._run_waiting(t, req, HELD_OWN):
                     t.held = None
                     continue
-                if not self._input_in(t, req):
+                if not arrived:
                     if time.monotonic() - since > self.config.input_timeout_s:
                         self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s")
                     return n
-                self.paths[HELD_QUEUED] += 1
+                way = HELD_QUEUED
                 t.held = None
             else:
                 try:
@@ -320,25 +321,22 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                     continue
                 if self.core.scheduler.config.convoys and self.core.table.get(req.unit) is not None:
                     self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
+                way = MAILBOX if t.gpu is None else QUEUED
                 if t.gpu is not None and not stopping:
-                    if self._run_waiting(t, req):
-                        self.paths[OWN] += 1
+                    if self._run_waiting(t, req, OWN):
                         continue
                     if not self._input_in(t, req):
                         if self._queue_ahead(t, req):
-                            self.paths[AHEAD] += 1
                             continue
                         log.debug("call %d of tenant %d held for its input (input_seq %d)", req.call_id, t.id, req.input_seq)
                         t.held = (req, time.monotonic())
                         continue
-                    self.paths[QUEUED] += 1
-                elif t.gpu is None:
-                    self.paths[MAILBOX] += 1
             if stopping:
                 self._reply_error(t, req.call_id, CallError(pb.UNAVAILABLE, "executor is shutting down"))
                 continue
             try:
                 self.core.submit(self._to_call(t, req))
+                self.paths[way] += 1
             except CallError as e:
                 self.core.counters.errors += 1
                 self._reply_error(t, req.call_id, e)
@@ -350,14 +348,15 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             return reached(t.box.input_word(), req.input_seq)
         return t.gpu.input_ready.query()
 
-    def _run_waiting(self, t: Tenant, req: pb.CallRequest) -> bool:
+    def _run_waiting(self, t: Tenant, req: pb.CallRequest, way: str) -> bool:
         """Runs a same-GPU call at once on t's own stream, behind a GPU wait for its input word
         (which passes at once when the copy is done), when nothing would join it in a batch anyway
         (every other tenant already has a call in), or when it is too big to gain from a batch
         (`solo_tokens`) and no earlier call of t is queued. The host never waits for the tenant's GPU
         work, and a tenant whose copy never ends stalls only its own stream. A call run as a graph
         replay there teaches t's native lane its header (_learn). False when the call must go
-        the scheduler's way instead (held first while its input is not in)."""
+        the scheduler's way instead (held first while its input is not in). `way`: what
+        self.paths counts it as, once run (OWN, HELD_OWN)."""
         areas = t.areas
         if not self._gpu_may_wait(t, req):
             return False
@@ -389,6 +388,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             self._deliver(results)  # (which writes the output word first, on this stream)
         finally:
             torch.cuda.set_stream(self._stream)
+        self.paths[way] += 1
         if self.config.native_serve and not self._native_failed:
             try:
                 self._learn(t, req, call, results[0])
@@ -426,6 +426,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
             call = self._to_call(t, req)
             call.before = functools.partial(self._wait_input, t, call.tag.area, req.input_seq)
             self.core.submit(call)
+            self.paths[AHEAD] += 1
         except CallError as e:
             self.core.counters.errors += 1
             self._reply_error(t, req.call_id, e)

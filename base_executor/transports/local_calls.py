@@ -233,6 +233,7 @@ class LocalCalls:
         n = areas.lane.serve(mailbox.RING_SLOTS)
         if n:
             self.paths[NATIVE] += n
+            self._count_late(areas)
             now = time.monotonic()
             t.last_call = now
             self.core.scheduler.lost_track(t.id)  # (where it is in its round of units: not seen)
@@ -246,9 +247,7 @@ class LocalCalls:
         if areas.lane is None:
             return
         k = self.core.counters
-        late = areas.lane.late
-        self.paths[LATE] += late - areas.lane_late
-        areas.lane_late = late
+        self._count_late(areas)
         for index, n in areas.lane.take_counts():
             unit, op, tokens, latency, tenant, adapter, epoch = areas.lane_units[index]
             self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
@@ -259,6 +258,13 @@ class LocalCalls:
                 self.core.adapters.touch(adapter, n)  # (a lane's adapter is on the device: hits, and recent)
             k.graph_replays += n
             k.native_calls += n
+
+    def _count_late(self, areas) -> None:
+        """Adds the calls areas' lane served late since the last look to self.paths (with the
+        native lane's, so that stats never see more late calls than lane calls)."""
+        late = areas.lane.late
+        self.paths[LATE] += late - areas.lane_late
+        areas.lane_late = late
 
     def _fold_lanes(self) -> None:
         with self.lock:

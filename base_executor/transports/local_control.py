@@ -239,6 +239,7 @@ class LocalControl:
         k = self.core.counters
         sched = self.core.scheduler
         with self.lock:
+            paths = {k: v for k, v in self.paths.items() if v}  # (local tenants' ways are counted under the lock)
             tenants = [
                 pb.TenantStats(
                     tenant_id=t.id, name=t.name, pid=t.pid, placement="gpu" if t.gpu is not None else "cpu",
@@ -277,7 +278,7 @@ class LocalControl:
             graph_replays=k.graph_replays,
             graph_captures=k.graph_captures,
             native_calls=k.native_calls,
-            call_paths=dict(self.paths),
+            call_paths=paths,
             loop_rounds=self.loop_rounds,
             loop_busy_s=self.loop_busy_s,
             units=[
