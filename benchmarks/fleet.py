@@ -238,6 +238,12 @@ def batch_share(before: dict, after: dict) -> dict:
         d[f"{name.lower()}_batch_calls"] = hist
         d[f"{name.lower()}_wait_p50_us"] = c.get("wait_p50_us")
         d[f"{name.lower()}_wait_p99_us"] = c.get("wait_p99_us")
+    # how the data loop took the window's calls (base_executor/transports/call_paths.py), and the
+    # share of the window's time it was at work
+    paths_before = before.get("call_paths", {})
+    d["call_paths"] = {k: int(v) - int(paths_before.get(k, 0)) for k, v in after.get("call_paths", {}).items()}
+    up = float(after.get("uptime_s", 0.0)) - float(before.get("uptime_s", 0.0))
+    d["loop_busy_share"] = (float(after.get("loop_busy_s", 0.0)) - float(before.get("loop_busy_s", 0.0))) / up if up > 0 else None
     return d
 
 
