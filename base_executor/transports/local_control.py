@@ -215,6 +215,7 @@ class LocalControl:
                 f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
             )
         if data_bytes > t.areas.data_bytes:  # the outgrown areas go; calls still queued on them get no reply
+            t.held = None  # (nor a call held for its input there: its input_seq is the old mailbox's)
             old, t.areas = t.areas, self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
             self._fold_lane(old)
             self.areas.retire(old, t.owner)
