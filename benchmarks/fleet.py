@@ -247,6 +247,19 @@ def batch_share(before: dict, after: dict) -> dict:
     return d
 
 
+def host_figures(batches: dict) -> str:
+    """A window's native-lane share of the calls, the late share of those and the data loop's share of
+    time at work (batch_share), as "native 96%, late 12%, loop 40%"; "" when not known."""
+    paths = batches.get("call_paths") or {}
+    late = paths.get("native lane, input in first", 0)
+    taken = sum(v for k, v in paths.items() if k != "native lane, input in first")
+    native = paths.get("native lane", 0)
+    busy = batches.get("loop_busy_share")
+    if not taken or busy is None:
+        return ""
+    return f"native {native / taken:.0%}, late {late / max(native, 1):.0%}, loop {busy:.0%}"
+
+
 def py_spy(pid: int, seconds: float, path: pathlib.Path) -> subprocess.Popen:
     """Samples process `pid` with py-spy (idle frames included) into `path` (collapsed stacks)."""
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--duration", str(max(1, int(seconds))),

@@ -92,12 +92,13 @@ def main() -> int:
             fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
     print(f"\nS2 {a.model}, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
-    print(f"{'K':>3} {'who':<24} {'tokens/s':>9} {'step p50':>9} {'p99':>7} {'GPU GB':>7} {'% peak':>7} {'calls/batch':>11}")
+    print(f"{'K':>3} {'who':<24} {'tokens/s':>9} {'step p50':>9} {'p99':>7} {'GPU GB':>7} {'% peak':>7} {'calls/batch':>11}  executor's host")
     for r in rows:
         share = f"{100 * r['tokens_per_s'] * flops / PEAK_BF16:.1f}" if flops else "-"
         cpb = r.get("batches", {}).get("calls_per_batch")
         print(f"{r['k']:>3} {r['who']:<24} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {r['step_p99_ms']:>7.1f} "
-              f"{r['gpu_used'] / 1e9:>7.1f} {share:>7} {'' if cpb is None else f'{cpb:.2f}':>11}")
+              f"{r['gpu_used'] / 1e9:>7.1f} {share:>7} {'' if cpb is None else f'{cpb:.2f}':>11}  "
+              f"{fleet.host_figures(r.get('batches', {}))}")
     path = out / f"s2_{a.model}_{a.tag}.json"
     path.write_text(json.dumps({"args": vars(a), "rows": rows, "timelines": timelines}, indent=1))
     plot(rows, out / f"s2_{a.model}_{a.tag}.png", f"S2 fine-tuning, {a.model}")

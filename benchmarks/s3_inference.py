@@ -123,11 +123,11 @@ def main() -> int:
             fleet.stop(proc)
     print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows"
           + (f", every forward compiled (mode {a.compile}, static KV cache)" if a.compile else ""))
-    print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}")
+    print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}  executor's host")
     for r in rows:
         cpb = r.get("batches", {}).get("calls_per_batch")
         print(f"{r['k']:>3} {r['who']:<28} {r['tokens_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
-              f"{r['gpu_used'] / 1e9:>7.1f} {'' if cpb is None else f'{cpb:.2f}':>11}")
+              f"{r['gpu_used'] / 1e9:>7.1f} {'' if cpb is None else f'{cpb:.2f}':>11}  {fleet.host_figures(r.get('batches', {}))}")
     path = out / f"s3_{a.model}_{a.tag}.json"
     path.write_text(json.dumps({"args": vars(a), "rows": rows, "timelines": timelines}, indent=1))
     plot(rows, out / f"s3_{a.model}_{a.tag}.png", f"S3 inference, {a.model}", y2="itl_p99_ms",
