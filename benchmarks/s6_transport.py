@@ -23,6 +23,7 @@ Prints a table last and writes benchmarks/out/s6_transport[-LABEL].json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -67,6 +68,17 @@ def serve(model: str, url: str, device: str, dtype: str, spin_us: int | None, ex
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_executor(url, 120, proc)
     return proc
+
+
+@contextlib.contextmanager
+def serving(model: str, url: str, device: str, dtype: str, extra=()):
+    """An executor serving `model` at `url` (serve()) while the block runs, stopped after it."""
+    proc = serve(model, url, device, dtype, None, extra)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def median_us(fn, sync, n: int = 200, warmup: int = 20) -> float:

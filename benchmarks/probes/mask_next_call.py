@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,11 +20,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from s6_transport import HIDDEN, UNIT, make_model  # noqa: E402
+from s6_transport import HIDDEN, UNIT, free_port, make_model, serving  # noqa: E402
 
 
 def main() -> int:
-    from symbiont import connect, wait_for_executor
+    from symbiont import connect
     from symbiont.client.privacy import NoiseMask
     from symbiont.proto import executor_pb2 as pb
 
@@ -37,16 +35,8 @@ def main() -> int:
     dtype, n = torch.bfloat16, a.tokens
     tmp = tempfile.mkdtemp()
     make_model(tmp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    name = f"masknext-{os.getpid()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", tmp, "--listen", f"local://{name}",
-         "--listen", f"grpc://127.0.0.1:{port}", "--insecure", "--device", "cpu", "--dtype", "bfloat16",
-         "--max-wait-us", "0", "--inference-wait-us", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_executor(f"local://{name}", 300, proc)
-    try:
+    port = free_port()
+    with serving(tmp, f"local://masknext-{os.getpid()}", "cpu", "bfloat16", ["--listen", f"grpc://127.0.0.1:{port}", "--insecure"]):
         conn = connect(f"grpc://127.0.0.1:{port}")
         conn.ensure_attached()
         t = conn.transport
@@ -78,9 +68,6 @@ def main() -> int:
             v.sort()
             print(f"  {k:34s} {statistics.median(v) * 1e6:7.0f} {v[len(v) // 4] * 1e6:7.0f}")
         conn.close()
-    finally:
-        proc.terminate()
-        proc.wait(60)
     return 0
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,11 +21,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from s6_transport import HIDDEN, UNIT, make_model  # noqa: E402
+from s6_transport import HIDDEN, UNIT, free_port, make_model, serving  # noqa: E402
 
 
 def main() -> int:
-    from symbiont import connect, wait_for_executor
+    from symbiont import connect
     from symbiont.client.privacy import NoiseMask
     from symbiont.proto import executor_pb2 as pb
 
@@ -42,19 +40,11 @@ def main() -> int:
     dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if a.device != "cpu" else torch.float32
     tmp = tempfile.mkdtemp()
     make_model(tmp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    name = f"mask-{os.getpid()}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", tmp, "--listen", f"local://{name}",
-         "--listen", f"grpc://127.0.0.1:{port}", "--insecure", "--device", a.device,
-         "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32", "--max-wait-us", "0", "--inference-wait-us", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_executor(f"local://{name}", 300, proc)
+    name, port = f"mask-{os.getpid()}", free_port()
     print(f"median us per call, {HIDDEN}x{HIDDEN}, rank {a.rank}, executor on {a.device}, tenant on the CPU")
     print(f"{'transport':10s}{'tokens':>8s}{'plain':>12s}{'masked':>12s}{'ratio':>8s}")
-    try:
+    with serving(tmp, f"local://{name}", a.device, "bfloat16" if dtype == torch.bfloat16 else "float32",
+                 ["--listen", f"grpc://127.0.0.1:{port}", "--insecure"]):
         for url in (f"local://{name}", f"grpc://127.0.0.1:{port}"):
             conn = connect(url)
             conn.ensure_attached()
@@ -88,9 +78,6 @@ def main() -> int:
                         alone.append(time.perf_counter() - t0)
                     print(f"{'alone':10s}{n:8d}{'':12s}{statistics.median(alone) * 1e6:12.0f}", flush=True)
             conn.close()
-    finally:
-        proc.terminate()
-        proc.wait(60)
     return 0
 
 
