@@ -250,10 +250,12 @@ def batch_share(before: dict, after: dict) -> dict:
 def host_figures(batches: dict) -> str:
     """A window's native-lane share of the calls, the late share of those and the data loop's share of
     time at work (batch_share), as "native 96%, late 12%, loop 40%"; "" when not known."""
+    from symbiont.base_executor.transports.call_paths import LATE, NATIVE
+
     paths = batches.get("call_paths") or {}
-    late = paths.get("native lane, input in first", 0)
-    taken = sum(v for k, v in paths.items() if k != "native lane, input in first")
-    native = paths.get("native lane", 0)
+    late = paths.get(LATE, 0)
+    taken = sum(v for k, v in paths.items() if k != LATE)
+    native = paths.get(NATIVE, 0)
     busy = batches.get("loop_busy_share")
     if not taken or busy is None:
         return ""
