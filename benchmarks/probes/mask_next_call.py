@@ -1,7 +1,8 @@
 """Does the tenant's masking work slow the call after it? Plain 16-token gRPC calls of S6's 2048x2048
 `q_proj`, each right after one piece of the masking's work (or nothing), the pieces interleaved call
 by call so that all see the same host and executor (session 35 timed them in separate loops, one
-after another, and found the calls after the masking ~200 us slower). Executor on the CPU.
+after another, and found the calls after the masking ~200 us slower); also each piece's own time
+there, between calls. Executor on the CPU.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/mask_next_call.py [--tokens 16] [--rounds 600]
 """
@@ -57,16 +58,19 @@ def main() -> int:
             "the reply's correction": lambda: torch.addmm(y0.float(), torch.randn(n, 16), u.e, alpha=-1).to(dtype),
         }
         times = {k: [] for k in before}
+        itself = {k: [] for k in before}  # (each piece's own time, between gRPC calls as in use)
         for _ in range(a.rounds):
             for k, work in before.items():
-                work()
                 t0 = time.perf_counter()
+                work()
+                t1 = time.perf_counter()
                 t.call(UNIT, pb.FORWARD, x, (n, HIDDEN), dtype, pb.INFERENCE)
-                times[k].append(time.perf_counter() - t0)
-        print(f"plain {n}-token gRPC call, median / p25 us, after:")
+                itself[k].append(t1 - t0)
+                times[k].append(time.perf_counter() - t1)
+        print(f"plain {n}-token gRPC call, median / p25 us, after (and the median of what ran before it, itself):")
         for k, v in times.items():
             v.sort()
-            print(f"  {k:34s} {statistics.median(v) * 1e6:7.0f} {v[len(v) // 4] * 1e6:7.0f}")
+            print(f"  {k:34s} {statistics.median(v) * 1e6:7.0f} {v[len(v) // 4] * 1e6:7.0f}   ({statistics.median(itself[k]) * 1e6:.0f})")
         conn.close()
     return 0
 
