@@ -36,6 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (a sharded executor's rank r listens on PORT + r),
+    below Linux's ephemeral range, so no other process's outgoing connection takes one of them
+    between this look and the executor's bind (CI, 2026-11-27: rank 1's port was taken)."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - n)
+        try:
+            held = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> pathlib.Path:
     """A provider's folder: CA, server certificate for 127.0.0.1, tenants alice and bob."""

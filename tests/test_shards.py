@@ -18,7 +18,7 @@ from symbiont.base_executor.models import build_builtin
 from symbiont.client.errors import ExecutorUnavailableError
 from tests.conftest import Executor, running_executor
 from tests.models import assert_sgd_steps_match, ids, lora_model
-from tests.test_grpc import free_port
+from tests.test_grpc import free_ports
 
 
 def _children(pid: int) -> list[int]:
@@ -129,7 +129,7 @@ def test_sharded_executor_matches_the_unsplit_model(world, placement):
 
 
 def test_any_rank_address_serves_the_whole_model_and_grpc_tenants_get_grpc_ranks():
-    port = free_port()
+    port = free_ports(2)
     with running_executor("tiny-llama", "--devices", "cpu,cpu", "--listen", f"grpc://127.0.0.1:{port}", "--insecure") as ex:
         x = ids(1, 9)
         with torch.no_grad():
@@ -154,7 +154,8 @@ def test_ranks_started_by_torchrun(tmp_path, nodes):
     from symbiont import wait_for_executor
     from tests.conftest import REPO
 
-    port, master, per = free_port(), free_port(), 2 // nodes
+    port, per = free_ports(3), 2 // nodes
+    master = port + 2  # (rank r listens on port + r)
     url = f"grpc://127.0.0.1:{port}"
     agents = []
     for node in range(nodes):
