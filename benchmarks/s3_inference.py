@@ -123,11 +123,21 @@ def main() -> int:
             fleet.stop(proc)
     print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows"
           + (f", every forward compiled (mode {a.compile}, static KV cache)" if a.compile else ""))
-    print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}  executor's host")
+    # A tenant generates one token after another, so N of them give at most N x what one gives
+    # alone: "of N x 1" is how near a row comes to that (its who's N = 1 row of this run).
+    solo = {r["who"]: r["tokens_per_s"] for r in rows if r["k"] == 1}
+    print(f"{'N':>3} {'who':<28} {'tokens/s':>9} {'of N x 1':>8} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'calls/batch':>11}  executor's host")
     for r in rows:
         cpb = r.get("batches", {}).get("calls_per_batch")
-        print(f"{r['k']:>3} {r['who']:<28} {r['tokens_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
+        near = f"{r['tokens_per_s'] / (r['k'] * solo[r['who']]):.2f}" if solo.get(r["who"]) else ""
+        print(f"{r['k']:>3} {r['who']:<28} {r['tokens_per_s']:>9.1f} {near:>8} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
               f"{r['gpu_used'] / 1e9:>7.1f} {'' if cpb is None else f'{cpb:.2f}':>11}  {fleet.host_figures(r.get('batches', {}))}")
+    for who, one in solo.items():
+        if who != "processes" and solo.get("processes"):
+            for r in rows:
+                if r["who"] == "processes" and r["k"] > 1:
+                    print(f"N = {r['k']}: {who} can give at most {r['k']} x {one:.1f} = {r['k'] * one:.1f} tokens/s, "
+                          f"{r['k'] * one / r['tokens_per_s']:.2f}x the processes")
     path = out / f"s3_{a.model}_{a.tag}.json"
     path.write_text(json.dumps({"args": vars(a), "rows": rows, "timelines": timelines}, indent=1))
     plot(rows, out / f"s3_{a.model}_{a.tag}.png", f"S3 inference, {a.model}", y2="itl_p99_ms",
