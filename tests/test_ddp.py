@@ -5,7 +5,6 @@ at start (it broadcasts them from rank 0) except those the model names in
 the model, and the adapter gradients it averages equal those of DDP over the unsplit model."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -140,6 +139,6 @@ def test_the_trainer_under_torchrun(executor, tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.test_grpc import free_ports
+
+    return free_ports(1)

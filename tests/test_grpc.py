@@ -31,9 +31,7 @@ from tests.models import assert_backward_matches, ids, lora_model
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def free_ports(n: int) -> int:
