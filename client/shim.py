@@ -283,6 +283,7 @@ class VirtLayer(UnitRef, nn.Module):
 
     _group = None  # client.fusion.FusedGroup when this unit's calls may be fused with its siblings'
     _member = 0  # this unit's index in its group
+    _span_zero = None  # while a layer span takes o_proj's input: x -> zeros of the output (client/layer_span.py)
 
     def get_base_layer(self) -> nn.Module:
         return self
@@ -305,6 +306,8 @@ class VirtLinear(VirtLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
+        if self._span_zero is not None:
+            return self._span_zero(x)
         if self._group is not None:
             y = self._group.forward(self._member, x)
             if y is not None:
