@@ -16,6 +16,8 @@ from the span's one call, while the layer's own forward (transformers' code) run
 A layer runs its own way (three calls) whenever a span cannot stand for it: gradients recorded,
 torch.compile tracing, more than SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on
 o_proj, one on the MLP's Linears or the norms, a hook on any of its parts, or a masked tenant.
+What the parts hand each other is for the thread that made the span's call: threads sharing a model
+each get their own.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class SpanUnit(UnitRef):
         self._dtype = o_shim._dtype
         self.layer, self.o_shim, self.next, self.group = layer, o_shim, nxt, group  # (the next layer, its q/k/v group: None for the last)
         self.pieces = pieces[:4] + (list(group.sizes) if group is not None else [])  # [o, n2, m, n1, q, k, v]
-        self._now = threading.local()  # .open: this thread is inside the layer's forward with the span on
+        self._now = _Now()  # this thread's: its layer's forward with the span on, and what the parts take
         self._register()
 
     # ---- whether the span stands for the layer now --------------------------------
@@ -73,16 +75,17 @@ class SpanUnit(UnitRef):
 
     def run(self, layer_forward, h: torch.Tensor, args, kwargs) -> torch.Tensor:
         now = self._now
-        now.open, now.r, now.a, now.done = True, h, None, False
+        now.open, now.r, now.a, now.carry = True, h, None, None
         try:
             h2 = layer_forward(h, *args, **kwargs)
         finally:
             now.open, now.r, now.a = False, None, None
             post, mlp = getattr(self.layer, layer_span.POST_NORM), getattr(self.layer, layer_span.MLP)
-            post._give = mlp._span_give = None  # (what was not taken goes)
-        if now.done and self.next is not None:
+            now.gives.pop(id(post), None)  # (what was not taken goes)
+            now.gives.pop(id(mlp), None)
+        if now.carry is not None and self.next is not None:
             n1, qkv = now.carry
-            self.next_norm()._give = (h2, _state(h2), n1)
+            now.gives[id(self.next_norm())] = (h2, _state(h2), n1)
             last = self.group._last
             last.kept, last.x, last.state, last.wasted = dict(enumerate(qkv)), n1, _state(n1), 0
         now.carry = None
@@ -91,22 +94,32 @@ class SpanUnit(UnitRef):
     def next_norm(self) -> "VirtNorm":
         return getattr(self.next, layer_span.INPUT_NORM)
 
+    def give(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """What this thread's last span call computed for `module` called on x, once; None if nothing."""
+        got = self._now.gives.pop(id(module), None)
+        if got is not None and (got[0] is None or (got[0] is x and (got[1] is None or got[1] == _state(x)))):
+            return got[2]
+        return None
+
+    def zero(self, x: torch.Tensor) -> torch.Tensor | None:
+        """o_proj's shim called on x: zeros while this thread's attention runs for the span (x kept)."""
+        now = self._now
+        if not now.zeroing:
+            return None
+        now.a = x
+        return torch.zeros((*x.shape[:-1], self.o_shim._d_out), dtype=x.dtype, device=x.device)
+
     def attention(self, attn_forward, args, kwargs):
         """The attention's forward with o_proj giving zeros, then the span's call: returns what
         the attention returns, its output o_proj(a) + d."""
         now = self._now
-        if not getattr(now, "open", False):
+        if not now.open:
             return attn_forward(*args, **kwargs)
-
-        def zero(x):
-            now.a = x
-            return torch.zeros((*x.shape[:-1], self.o_shim._d_out), dtype=x.dtype, device=x.device)
-
-        self.o_shim._span_zero = zero
+        now.zeroing = True
         try:
             out = attn_forward(*args, **kwargs)
         finally:
-            self.o_shim._span_zero = None
+            now.zeroing = False
         d = out[0] if isinstance(out, tuple) else out
         a, r = now.a, now.r
         if a is None or d.shape != r.shape:  # (o_proj was not called, or not on the output: no span)
@@ -119,11 +132,20 @@ class SpanUnit(UnitRef):
                     for p in y.reshape(-1, y.shape[-1]).split(self.pieces, dim=-1)]
 
         o, n2, m, *carry = self._remote(x, pb.FORWARD, take)
-        getattr(self.layer, layer_span.POST_NORM)._give = (None, None, n2)
-        getattr(self.layer, layer_span.MLP)._span_give = (n2, m)
-        now.carry = (carry[0], carry[1:]) if carry else None  # (n1, (q, k, v))
-        now.done = True
+        now.gives[id(getattr(self.layer, layer_span.POST_NORM))] = (None, None, n2)  # (its next call's: on h = r + o)
+        now.gives[id(getattr(self.layer, layer_span.MLP))] = (n2, None, m)
+        now.carry = (carry[0], tuple(carry[1:])) if carry else ()  # (n1, (q, k, v)); () for the last layer
         return (o, *out[1:]) if isinstance(out, tuple) else o
+
+
+class _Now(threading.local):
+    """A thread's state of one span: inside its layer's forward (open; r the layer's input, a
+    o_proj's), o_proj giving zeros, what the call carries to the next layer, and the outputs the
+    layer's parts (and the next input norm) take: id(module) -> (x they are for or None: its next
+    call, x's _state or None, output)."""
+
+    def __init__(self):
+        self.open, self.zeroing, self.r, self.a, self.carry, self.gives = False, False, None, None, None, {}
 
 
 def _trains(layer: nn.Module) -> bool:
@@ -161,7 +183,7 @@ class VirtSpanDecoder:
         if span.ready(hidden_states):
             return span.run(super().forward, hidden_states, args, kwargs)
         if span.next is not None:
-            span.next_norm()._give = None
+            span._now.gives.pop(id(span.next_norm()), None)
         return super().forward(hidden_states, *args, **kwargs)
 
 
@@ -177,17 +199,18 @@ class VirtSpanAttention:
 
 
 class VirtNorm:
-    """Mixin placed first in a norm's class: gives what a span computed for its input, else computes it.
-    _give: (x it stands for or None: the next call's, its _state, the output)."""
+    """Mixin placed first in a norm's class: gives what its span computed for its input (the
+    span of its layer for the post-attention norm, of the layer before for the input norm), else
+    computes it."""
 
-    _give = None
+    _giver: SpanUnit | None = None
 
     def forward(self, x):
-        give = None if tracing() else self._give
-        if give is not None:
-            self._give = None
-            if give[0] is None or (give[0] is x and give[1] == _state(x)):
-                return give[2]
+        giver = self._giver
+        if giver is not None and not tracing():
+            y = giver.give(self, x)
+            if y is not None:
+                return y
         return super().forward(x)
 
 
@@ -249,6 +272,7 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
             _subclass(getattr(layer, name), VirtNorm)
         if nxt is not None:
             _subclass(getattr(nxt, layer_span.INPUT_NORM), VirtNorm)
-        layer._span = layer.self_attn._span = span
+            getattr(nxt, layer_span.INPUT_NORM)._giver = span
+        layer._span = layer.self_attn._span = getattr(layer, layer_span.POST_NORM)._giver = mlp._giver = o_shim._span_zero = span
         n += 1
     return n

@@ -283,7 +283,7 @@ class VirtLayer(UnitRef, nn.Module):
 
     _group = None  # client.fusion.FusedGroup when this unit's calls may be fused with its siblings'
     _member = 0  # this unit's index in its group
-    _span_zero = None  # while a layer span takes o_proj's input: x -> zeros of the output (client/layer_span.py)
+    _span_zero = None  # o_proj's layer span (client/layer_span.py): zeros while its call takes this input
 
     def get_base_layer(self) -> nn.Module:
         return self
@@ -306,8 +306,11 @@ class VirtLinear(VirtLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        if self._span_zero is not None:
-            return self._span_zero(x)
+        span = self._span_zero
+        if span is not None:
+            y = span.zero(x)
+            if y is not None:
+                return y
         if self._group is not None:
             y = self._group.forward(self._member, x)
             if y is not None:

@@ -97,14 +97,14 @@ class VirtMLP:
     """Mixin placed first in a served block's class: calls the MLP unit while it may."""
 
     _whole: MlpUnit
-    _span_give = None  # (n2, m): the output a layer span computed for input n2 (client/layer_span.py)
+    _giver = None  # the layer span (client/layer_span.py) that computes this block's output for its layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        give = None if tracing() else self._span_give
-        if give is not None:
-            self._span_give = None
-            if give[0] is x:
-                return give[1]
+        giver = self._giver
+        if giver is not None and not tracing():
+            y = giver.give(self, x)
+            if y is not None:
+                return y
         if self._whole.serves(self, x):
             return self._whole.forward(x)
         return super().forward(x)

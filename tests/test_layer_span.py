@@ -152,6 +152,37 @@ def test_a_compiled_model_traces_the_layers_own_forward():
         assert calls.spans() == LAYERS
 
 
+def test_threads_sharing_a_model_each_get_their_own_spans():
+    """Two threads decode with one virtualized model at once: what a span's parts hand each other
+    is the calling thread's, so each gets the unsplit logits."""
+    import threading
+
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), ex.url)
+        xs = [ids(1, 6, seed=s) for s in (1, 2)]
+        with torch.no_grad():
+            want = [ref(input_ids=x).logits for x in xs]
+        bad, go = [], threading.Barrier(2)
+
+        def work(i):
+            go.wait()
+            try:
+                with torch.no_grad():
+                    for _ in range(20):
+                        if not torch.equal(virt(input_ids=xs[i]).logits, want[i]):
+                            bad.append(i)
+            except Exception as e:
+                bad.append(repr(e))
+
+        with Calls(ex.url) as calls:
+            threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert not bad and calls.spans() == 2 * 20 * LAYERS, (bad, calls.by_unit)
+
+
 def test_without_the_flag_no_spans_are_served():
     with running_executor("tiny-llama") as ex, connect(ex.url) as conn:
         assert not [u for u in conn.catalog().units if u.kind == "span"]
