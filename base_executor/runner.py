@@ -105,17 +105,20 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
 
 
 def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
-    """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d] per token, out [o, n2, m, n1,
-    qkv], each piece with the ops the tenant's layer would run (so, at one call a batch, bitwise
-    what its own layer gives)."""
+    """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d1, d2, d3] per token, out [o,
+    n2, m, n1, qkv], each piece with the ops the tenant's layer would run (so, at one call a
+    batch, bitwise what its own layer gives)."""
+    from symbiont.proto.layer_span import join_delta
+
     o_proj, mlp, *qkv = unit.members
     hidden = o_proj.out_features
-    a, r, d = x.split([o_proj.in_features, hidden, hidden], dim=-1)
+    a, r, *d = x.split([o_proj.in_features] + [hidden] * 4, dim=-1)
     pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
     y = torch.empty(x.shape[0], sum(pieces), dtype=x.dtype, device=x.device) if out is None else out
     o, n2, m, *nxt = y.split(pieces, dim=-1)
-    # (a tenant's o_proj adapter adds its delta to the base output as PEFT does: d, or zeros)
-    torch.add(run(o_proj, pb.FORWARD, a.contiguous(), exact), d, out=o)
+    # a tenant's o_proj adapter adds its float32 delta to the base output as PEFT does, one
+    # rounding (a served-dtype adapter's delta the same: its add's math is float32 too)
+    o.copy_(run(o_proj, pb.FORWARD, a.contiguous(), exact).float() + join_delta(*d))
     h = r + o
     n2.copy_(unit.norms[0](h))
     m.copy_(run(mlp, pb.FORWARD, n2.contiguous(), exact))

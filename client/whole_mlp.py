@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from symbiont.client.shim import UnitRef, VirtLayer, VirtOwnForward, _SHIMS, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtOwnForward, _SHIMS, handed, records, tracing, unit_call
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import gated_mlp
 
@@ -97,14 +97,11 @@ class VirtMLP:
     """Mixin placed first in a served block's class: calls the MLP unit while it may."""
 
     _whole: MlpUnit
-    _giver = None  # the layer span (client/layer_span.py) that computes this block's output for its layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        giver = self._giver
-        if giver is not None and not tracing():
-            y = giver.give(self, x)
-            if y is not None:
-                return y
+        y = None if tracing() else handed(self, x)  # (the output a layer span computed for x: client/layer_span.py)
+        if y is not None:
+            return y
         if self._whole.serves(self, x):
             return self._whole.forward(x)
         return super().forward(x)

@@ -1,11 +1,13 @@
 """What both sides take for a layer span: one call from a decoder layer's attention output to the
 next layer's q/k/v, served by `base-executor serve --layer-spans`.
 
-A span of layer i takes [a, r, d] per token: the attention output a (o_proj's input), the layer's
-residual r (its input) and d, what the tenant's own o_proj adapter adds (zeros without one). It
-computes, with the layer's own modules,
+A span of layer i takes [a, r, d1, d2, d3] per token: the attention output a (o_proj's input),
+the layer's residual r (its input) and d, what the tenant's own o_proj adapter adds (zeros without
+one), in float32 as three pieces of the served dtype whose float32 sum is d (split_delta: PEFT adds
+a float32 adapter's delta to the base output before rounding once). It computes, with the layer's
+own modules,
 
-    o = o_proj(a) + d;  h = r + o;  n2 = post_attention_layernorm(h);  m = mlp(n2);  h2 = h + m
+    o = (o_proj(a) + d in float32, rounded);  h = r + o;  n2 = post_attention_layernorm(h);  m = mlp(n2);  h2 = h + m
     n1 = next input_layernorm(h2);  qkv = next layer's q/k/v group(n1)      (not for the last layer)
 
 and returns [o, n2, m, n1, qkv] side by side (PIECES, in this order). The tenant runs its
@@ -36,4 +38,25 @@ def widths(hidden: int, attn: int, qkv: int) -> tuple[int, int, list[int]]:
     """A span's input width, output width and the widths of its output's pieces [o, n2, m, n1,
     qkv] (the last layer's: [o, n2, m]); attn: o_proj's input width, qkv: 0 for the last layer."""
     pieces = [hidden, hidden, hidden] + ([hidden, qkv] if qkv else [])
-    return attn + 2 * hidden, sum(pieces), pieces
+    return attn + 4 * hidden, sum(pieces), pieces
+
+
+def norms_print(norms, fingerprint) -> str:
+    """What a span unit's fingerprint says of the norms it computes with (the post-attention norm,
+    then the next layer's input norm): their weights' fingerprints and epsilons. A tenant's span
+    stands for its layer only where its own norms print the same."""
+    return "norms:" + ",".join(f"{fingerprint(n.weight.detach())}@{n.variance_epsilon!r}" for n in norms)
+
+
+def split_delta(d, dtype):
+    """float32 d as three tensors of `dtype` (bfloat16 or float32) whose float32 sum, (d1 + d2) +
+    d3, is d exactly: each piece takes the next 8 (bfloat16) significant bits of what is left,
+    which float32 holds exactly (normal numbers; bfloat16 keeps float32's exponents)."""
+    d1 = d.to(dtype)
+    rest = d - d1.float()
+    d2 = rest.to(dtype)
+    return d1, d2, (rest - d2.float()).to(dtype)
+
+
+def join_delta(d1, d2, d3):
+    return (d1.float() + d2.float()) + d3.float()

@@ -6,6 +6,7 @@ as before; a span unit refuses every op but FORWARD with a typed error and the e
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -72,10 +73,13 @@ def test_one_call_a_layer_and_the_unsplit_logits_and_tokens(name):
 
 def test_training_makes_the_layers_calls_and_inference_after_it_is_exact():
     """With gradients recorded a layer makes its own calls (a span keeps nothing for backward):
-    the adapter gradients are the unsplit model's; a forward without them after the step uses spans."""
+    the adapter and norm gradients are the unsplit model's; a forward without them after the step
+    uses the spans whose norms the step left as they were."""
     x = ids(2, 9)
     with running_executor("tiny-llama", "--layer-spans") as ex:
         ref, virt = lora_everywhere("tiny-llama"), virtualize(lora_everywhere("tiny-llama"), ex.url)
+        for m in (ref, virt):  # (a norm a span would compute trains too: its gradient must come back)
+            m.base_model.model.model.layers[1].input_layernorm.weight.requires_grad_(True)
         with Calls(ex.url) as calls:
             for m in (ref, virt):
                 m(input_ids=x, labels=x).loss.backward()
@@ -90,7 +94,7 @@ def test_training_makes_the_layers_calls_and_inference_after_it_is_exact():
             with Calls(ex.url) as calls:
                 got = virt(input_ids=x).logits
             assert torch.equal(got, ref(input_ids=x).logits)
-        assert calls.spans() == LAYERS
+        assert calls.spans() == LAYERS - 1  # (the step changed a norm span 0 computes: it is off; span 1 is on)
 
 
 def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
@@ -114,6 +118,84 @@ def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
             got = virt(input_ids=x).logits
         assert torch.equal(got, ref(input_ids=x).logits)
         assert calls.spans() == 0, calls.by_unit
+
+
+def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
+    """Under torch.inference_mode (whose tensors keep no version counter): an in-place forward
+    hook on a layer, an in-place pre-hook on an MLP block, norms whose weights changed after
+    virtualize, a model whose norms are not the served ones, and a norm PEFT wraps to train it
+    (modules_to_save, applied after virtualize): each layer concerned makes its own calls, and the
+    logits are the unsplit model's with the same change. transformers' output recorders (installed
+    by one output_hidden_states=True) leave the spans on."""
+    from peft import LoraConfig, get_peft_model
+
+    name, x = "tiny-llama", ids(1, 6)
+
+    def check(ref, virt, spans, **kw):
+        with torch.inference_mode():
+            want = ref(input_ids=x, **kw).logits
+            with Calls(ex.url) as calls:
+                got = virt(input_ids=x, **kw).logits
+        assert torch.equal(got, want)
+        assert calls.spans() == spans, calls.by_unit
+
+    with running_executor(name, "--layer-spans") as ex:
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        check(ref, virt, LAYERS, output_hidden_states=True)
+        check(ref, virt, LAYERS)  # (the recorders stay, inert)
+        v = torch.linspace(-1, 1, 64)
+        for m in (ref, virt):
+            m.model.layers[0].register_forward_hook(lambda mod, i, o: o.add_(v))
+            m.model.layers[1].mlp.register_forward_pre_hook(lambda mod, a: a[0].mul_(2))
+        check(ref, virt, 0)
+
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        with torch.no_grad():
+            for m in (ref, virt):
+                m.model.layers[1].input_layernorm.weight.mul_(1.5)  # (span 0 computes it; span 1 does not)
+        check(ref, virt, 1)
+
+        changed = build_builtin(name)
+        with torch.no_grad():
+            changed.model.layers[0].post_attention_layernorm.weight.add_(0.25)
+        ref, virt = copy.deepcopy(changed), virtualize(changed, ex.url)
+        check(ref, virt, 1)
+
+        config = lambda: LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],  # noqa: E731
+                                    modules_to_save=["post_attention_layernorm"])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            ref = get_peft_model(build_builtin(name), config())
+            torch.manual_seed(5)
+            virt = get_peft_model(virtualize(build_builtin(name), ex.url), config())
+        check(ref, virt, 0)
+
+
+def test_bfloat16_with_a_float32_lora_on_o_proj_is_bitwise():
+    """PEFT keeps a bfloat16 model's LoRA weights in float32 and adds their delta to o_proj's output
+    before rounding once: the span carries the delta in float32 (three bfloat16 pieces) and does the
+    same, so the logits and greedy tokens are the unsplit model's bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    name = "tiny-llama"
+
+    def make():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            return get_peft_model(build_builtin(name, torch.bfloat16), LoraConfig(
+                r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+    with running_executor(name, "--layer-spans", "--dtype", "bfloat16") as ex:
+        ref, virt = make(), virtualize(make(), ex.url)
+        assert ref.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"].weight.dtype == torch.float32
+        x = ids(2, 9)
+        with torch.no_grad(), Calls(ex.url) as calls:
+            got = virt(input_ids=x).logits
+        assert calls.spans() == LAYERS
+        with torch.no_grad():
+            assert torch.equal(got, ref(input_ids=x).logits)
+        kw = dict(max_new_tokens=6, do_sample=False)
+        assert torch.equal(virt.generate(input_ids=x, **kw), ref.generate(input_ids=x, **kw))
 
 
 def test_a_span_unit_takes_forward_only_and_the_executor_carries_on():
