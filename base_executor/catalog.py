@@ -16,9 +16,9 @@ from torch import nn
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import dtype_enum
 from symbiont.proto.fingerprint import fingerprint
-from symbiont.proto import experts, gated_mlp, patches
+from symbiont.proto import experts, gated_mlp, layer_span, patches
 
-LINEAR, CONV1D, EMBEDDING, MLP = "linear", "conv1d", "embedding", "mlp"
+LINEAR, CONV1D, EMBEDDING, MLP, SPAN = "linear", "conv1d", "embedding", "mlp", "span"
 
 # Sibling Linear modules under one parent that read the same input, by the names transformers
 # gives them. Phi-3 (qkv_proj, gate_up_proj), GPT-2 (c_attn), Falcon and GPT-NeoX come fused.
@@ -66,6 +66,7 @@ class Unit:
     act: nn.Module | None = None  # an MLP unit: its activation; its members are (gate/up group, down)
     act_backward: collections.abc.Callable | None = None  # an MLP unit: act's backward op, (grad, x, out) -> out (None: autograd)
     act_mul: collections.abc.Callable | None = None  # an MLP unit on a GPU: fused act(gate) * up, gate_up -> product (None: torch's ops)
+    norms: tuple = ()  # a span unit: copies of its layer's post-attention norm and the next layer's input norm (proto/layer_span.py)
 
     def info(self) -> pb.UnitInfo:
         return pb.UnitInfo(
@@ -209,6 +210,42 @@ class UnitTable:
             return
         self.units[path] = unit
 
+    def add_spans(self, model: nn.Module) -> int:
+        """A span unit (proto/layer_span.py) for each decoder layer whose o_proj is a Linear unit,
+        whose MLP is an MLP unit and whose norms are of a known class, and, but for the last layer
+        of its list, whose next layer's q/k/v are a group unit. Its members: o_proj, the MLP unit
+        and that group; it keeps copies of the two norms (its own weights). Returns how many."""
+        n = 0
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        paths = {id(m): p for p, m in model.named_modules()}
+        for layers in lists:
+            if not layers or not all(layer_span.own(m, layer_span.DECODERS) for m in layers):
+                continue
+            for i, layer in enumerate(layers):
+                path = paths[id(layer)]
+                o = self.units.get(f"{path}.{layer_span.O_PROJ}")
+                mlp = self.units.get(f"{path}.{layer_span.MLP}")
+                post = getattr(layer, layer_span.POST_NORM, None)
+                if o is None or o.kind != LINEAR or o.group or o.tied_to or mlp is None or mlp.kind != MLP:
+                    continue
+                norms, members = [post], [o, mlp]
+                if i + 1 < len(layers):
+                    nxt = paths[id(layers[i + 1])]
+                    qkv = self.units.get(f"{nxt}.{layer_span.QKV}")
+                    if qkv is None or not qkv.members:
+                        continue
+                    norms.append(getattr(layers[i + 1], layer_span.INPUT_NORM, None))
+                    members.append(qkv)
+                if not all(layer_span.own(m, layer_span.NORMS) and not any(p.is_meta for p in m.parameters()) for m in norms):
+                    continue
+                d_in, d_out, _ = layer_span.widths(o.out_features, o.in_features, members[2].out_features if len(members) > 2 else 0)
+                self.units[layer_span.span_id(path)] = Unit(
+                    id=layer_span.span_id(path), kind=SPAN, weight=None, bias=None, in_features=d_in, out_features=d_out,
+                    members=tuple(members), norms=tuple(copy.deepcopy(m).requires_grad_(False) for m in norms),
+                    fingerprint="+".join(m.fingerprint for m in members) + "|" + layer_span.norms_print(norms, fingerprint))
+                n += 1
+        return n
+
     def __len__(self) -> int:
         return len(self.units)
 
@@ -226,13 +263,15 @@ class UnitTable:
         fused act(gate) * up where a probe finds it bitwise torch's (runner.act_mul_of)."""
         moved: dict[int, torch.Tensor] = {}
         for u in self.units.values():
-            if u.group or u.kind == MLP:  # moved with its group, below; an MLP unit holds only units
+            if u.kind == SPAN:  # (its members are moved as units; its norms are its own)
+                u.norms = tuple(m.to(device) for m in u.norms)
+            if u.group or u.kind in (MLP, SPAN):  # moved with its group, below; an MLP or span unit holds only units
                 continue
             u.weight = moved.setdefault(id(u.weight), u.weight.to(device))
             if u.bias is not None:
                 u.bias = u.bias.to(device)
         for u in self.units.values():
-            if u.members and u.kind != MLP:
+            if u.members and u.kind not in (MLP, SPAN):
                 _point_members(u)
         from symbiont.base_executor import runner
 
@@ -252,7 +291,7 @@ class UnitTable:
     def parameter_count(self) -> int:
         seen, n = set(), 0
         for u in self.units.values():
-            if u.group or u.kind == MLP:  # its tensors are slices of its group's, or its members'
+            if u.group or u.kind in (MLP, SPAN):  # its tensors are slices of its group's, or its members'
                 continue
             for t in (u.weight, u.bias):
                 if t is not None and id(t) not in seen:

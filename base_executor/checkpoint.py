@@ -119,7 +119,7 @@ class Checkpoint:
         from symbiont.base_executor import catalog as cat
 
         for u in table.units.values():
-            if u.fingerprint or u.kind == cat.MLP or u.tied_to:
+            if u.fingerprint or u.kind in (cat.MLP, cat.SPAN) or u.tied_to:
                 continue
             parts = [(m.id, m.rows[0], m.rows[1]) for m in u.members] if u.members else [(u.id, 0, u.weight.shape[0])]
             shape = tuple(u.weight.shape)

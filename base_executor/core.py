@@ -11,7 +11,7 @@ import torch
 
 from symbiont.base_executor import runner
 from symbiont.base_executor.adapters import AdapterError, AdapterRegistry
-from symbiont.base_executor.catalog import EMBEDDING, MLP, Unit, UnitTable
+from symbiont.base_executor.catalog import EMBEDDING, MLP, SPAN, Unit, UnitTable
 from symbiont.base_executor.scheduler import Call, Refused, Scheduler, SchedulerConfig
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import NAME_OF, TORCH_OF
@@ -135,6 +135,9 @@ class ExecutorCore:
             )
         d_in, d_out = (unit.out_features, unit.in_features) if op == pb.BACKWARD else (unit.in_features, unit.out_features)
         what = "grad_y" if op == pb.BACKWARD else "x"
+        if unit.kind == SPAN and op != pb.FORWARD:
+            raise CallError(pb.INVALID_ARGUMENT, f"span unit {unit_id!r} supports FORWARD only (inference: a tenant whose "
+                            "gradients are recorded calls the layer's units)")
         if unit.kind == MLP:
             if op == pb.FORWARD_NO_BIAS:
                 raise CallError(pb.INVALID_ARGUMENT, f"MLP unit {unit_id!r} supports FORWARD and BACKWARD only")

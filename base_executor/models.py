@@ -241,7 +241,7 @@ def fill_units(table, source, device: torch.device) -> None:
     from symbiont.base_executor import catalog as cat
 
     for u in table.units.values():
-        if u.kind == cat.MLP or u.group or u.tied_to or not u.weight.is_meta:
+        if u.kind in (cat.MLP, cat.SPAN) or u.group or u.tied_to or not u.weight.is_meta:
             continue
         u.weight = make_part(u, source, device)
         if u.bias is not None:

@@ -6,7 +6,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from symbiont.base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, Unit
+from symbiont.base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, SPAN, Unit
 from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
@@ -45,6 +45,8 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
             return torch.mm(x, w.t(), out=out)  # [tokens, out] @ [out, in]
     elif unit.kind == MLP:
         return _mlp(unit, op, x, exact, out)
+    elif unit.kind == SPAN and op == pb.FORWARD:
+        return _span(unit, x, exact, out)
     elif unit.kind == EMBEDDING:
         if op == pb.FORWARD:
             return F.embedding(x, w, unit.padding_idx)
@@ -55,6 +57,8 @@ def flops(unit: Unit, op: int, tokens: int) -> float:
     """Model FLOPs (2 per multiply-add) of one call: what the stats count as work done."""
     if unit.kind == EMBEDDING:
         return 0.0
+    if unit.kind == SPAN:
+        return sum(flops(m, op, tokens) for m in unit.members)
     if unit.kind == MLP:
         pair, down = unit.members
         forward = flops(pair, op, tokens) + flops(down, op, tokens)
@@ -98,6 +102,31 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
         up.copy_(grad_a)
         return run(pair, pb.BACKWARD, gate_up, out=out)
     raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")
+
+
+def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d1, d2, d3] per token, out [o,
+    n2, m, n1, qkv], each piece with the ops the tenant's layer would run (so, at one call a
+    batch, bitwise what its own layer gives)."""
+    from symbiont.proto.layer_span import join_delta
+
+    o_proj, mlp, *qkv = unit.members
+    hidden = o_proj.out_features
+    a, r, *d = x.split([o_proj.in_features] + [hidden] * 4, dim=-1)
+    pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
+    y = torch.empty(x.shape[0], sum(pieces), dtype=x.dtype, device=x.device) if out is None else out
+    o, n2, m, *nxt = y.split(pieces, dim=-1)
+    # a tenant's o_proj adapter adds its float32 delta to the base output as PEFT does, one
+    # rounding (a served-dtype adapter's delta the same: its add's math is float32 too)
+    o.copy_(run(o_proj, pb.FORWARD, a.contiguous(), exact).float() + join_delta(*d))
+    h = r + o
+    n2.copy_(unit.norms[0](h))
+    m.copy_(run(mlp, pb.FORWARD, n2.contiguous(), exact))
+    if qkv:
+        n1, q = nxt
+        n1.copy_(unit.norms[1](h + m))
+        q.copy_(run(qkv[0], pb.FORWARD, n1.contiguous(), exact))
+    return y
 
 
 FUSE_MIN_ELEMENTS = 1 << 18

@@ -75,20 +75,32 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--grpc", action="store_true", help="also tenants over loopback gRPC, plaintext and mutual TLS")
+    p.add_argument("--layer-spans", action="store_true", help="also a tenant of an executor serving layer spans "
+                   "(serve --layer-spans: one call a decoder layer while decoding), beside the default's, in every round")
+    p.add_argument("--rounds", type=int, default=1, help="every row this many times, each round in another order")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count())
     x = torch.randint(1, 200, (1, a.tokens), generator=torch.Generator().manual_seed(0))
 
-    rows = {"unsplit HF + PEFT": time_model(lora(load_model(a.model).model), x, a.steps)}
-    for policy in ("PASSIVE", "ACTIVE"):
-        url = f"local://bench-cpu-{os.getpid()}-{policy.lower()}"
-        proc = start_executor(a.model, url, policy)
-        try:
-            model = lora(virtualize(load_model(a.model).model, url))
-            rows[f"symbiont, executor OMP {policy}"] = time_model(model, x, a.steps)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    ways = {"unsplit HF + PEFT": None, **{f"symbiont, executor OMP {p}": (p, ()) for p in ("PASSIVE", "ACTIVE")}}
+    if a.layer_spans:
+        ways["symbiont, layer spans (OMP PASSIVE)"] = ("PASSIVE", ("--layer-spans",))
+    runs: dict[str, list[dict]] = {name: [] for name in ways}
+    for r in range(a.rounds):  # (each round in another order: a fixed order favours some)
+        names = list(ways)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if ways[name] is None:
+                runs[name].append(time_model(lora(load_model(a.model).model), x, a.steps))
+                continue
+            policy, extra = ways[name]
+            url = f"local://bench-cpu-{os.getpid()}-{len(runs[name])}-{abs(hash(name)) % 10**6}"
+            proc = start_executor(a.model, url, policy, extra)
+            try:
+                runs[name].append(time_model(lora(virtualize(load_model(a.model).model, url)), x, a.steps))
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     if a.grpc:
         import socket
         import tempfile
@@ -116,7 +128,8 @@ def main() -> int:
     path = REPO / "benchmarks" / "out" / "cpu_split.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
-    print(f"\n{a.model}, 1 x {a.tokens} tokens, {os.cpu_count()} CPUs, medians of {a.steps}")
+    print(f"\n{a.model}, 1 x {a.tokens} tokens, {os.cpu_count()} CPUs, medians of {a.steps}"
+          + (f", then the median of {a.rounds} rounds" if a.rounds > 1 else ""))
     print(f"{'':34s} {'train pass':>11s} {'ratio':>6s} {'decode step':>12s} {'ratio':>6s}")
     for name, r in rows.items():
         print(f"{name:34s} {r['train_pass_s'] * 1e3:9.0f}ms {r['train_pass_s'] / base['train_pass_s']:6.2f} "

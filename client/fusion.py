@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, call_unit, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, _state, call_unit, records, tracing, unit_call
 from symbiont.proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -128,14 +128,6 @@ class FusionScope:
 
 
 _SCOPES: dict[type, type] = {}
-
-
-def _state(x: torch.Tensor) -> tuple:
-    """What must not change between a group call and a sibling taking its output: x's values (its
-    version counter; inference tensors keep none, so for them the same object counts as the same
-    values) and whether autograd records."""
-    version = -1 if x.is_inference() else x._version
-    return version, x.requires_grad, torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
 # ---- the call ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from symbiont.client.fusion import fuse_siblings
 from symbiont.client.shim import (
     RemoteWeight, UnitRef, VirtEmbedding, VirtLayer, VirtLinear, VirtOwnForward, VirtPatchConv, VirtScaledEmbedding, make_shim,
 )
+from symbiont.client.layer_span import serve_layer_spans
 from symbiont.client.whole_mlp import serve_whole_mlps
 from symbiont.proto import codec, patches
 from symbiont.proto import executor_pb2 as pb
@@ -286,10 +287,12 @@ def virtualize(
         _replace(root, name, shim)
     if mask is not None:
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
-        mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind != "mlp"})
+        mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind not in ("mlp", "span")})
     if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass; an adapted block calls its Linears)
         serve_whole_mlps([u for u in catalog.units if u.kind == "mlp" and not adapted.intersection(u.members)], root, shims)
     groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
+    if whole_mlp and fuse and not adapted:  # (a span takes q/k/v and the MLP's parts of the calls those make)
+        serve_layer_spans([u for u in catalog.units if u.kind == "span"], root, shims, groups)
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask

@@ -59,6 +59,45 @@ def test_same_gpu_tenant_parity(name):
         assert "CUDA IPC" in ex.log()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_gpu_tenant_with_layer_spans(dtype):
+    """`serve --layer-spans` on a GPU: a same-GPU tenant with LoRA on q, k, v and o decodes with
+    one call a layer (graph replays and native lanes included) and gets the unsplit model's
+    greedy tokens; its logits within float rounding (bitwise in float32 where the GEMMs' shapes
+    are the unsplit model's)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dt = getattr(torch, dtype)
+
+    def make():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            return get_peft_model(build_builtin("tiny-llama", dt).cuda(), LoraConfig(
+                r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+    with running_executor("tiny-llama", "--device", "cuda:0", "--dtype", dtype, "--layer-spans") as ex:
+        from symbiont import connect
+
+        ref, virt = make().eval(), virtualize(make().eval(), ex.url)
+        x = ids(1, 9).cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(virt(input_ids=x).logits, ref(input_ids=x).logits, rtol=1e-5 if dtype == "float32" else 2e-2,
+                                       atol=1e-5 if dtype == "float32" else 2e-2)
+        with connect(ex.url) as observer:
+            first = observer.stats()
+            before = {u.unit: u.calls for u in first.units}
+            kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+            for seed in range(3):
+                x = ids(1, 9, seed=seed).cuda()
+                assert torch.equal(ref.generate(input_ids=x, **kw), virt.generate(input_ids=x, **kw)), seed
+            now = observer.stats()
+            spans = sum(u.calls - before.get(u.unit, 0) for u in now.units if u.unit.endswith(".span"))
+        assert spans == 3 * 24 * 2, spans
+        # (span calls are captured and replayed as graphs by the tenant's native lane, as others)
+        assert now.graph_replays - first.graph_replays > spans // 2, (now.graph_replays, first.graph_replays)
+
+
 def test_same_gpu_calls_that_wait_for_their_replies():
     """The same GPU with each call waiting for its reply (return_early off): same results."""
     torch.backends.cuda.matmul.allow_tf32 = False

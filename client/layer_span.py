@@ -1,0 +1,294 @@
+"""Layer spans: one remote call per decoder layer while a tenant decodes (proto/layer_span.py).
+
+An executor started with `--layer-spans` advertises a span unit per Llama-type decoder layer: from
+the layer's attention output to the next layer's q/k/v. virtualize() makes the layer, its
+attention, its two norms and its MLP block instances of subclasses whose forward takes their part
+from the span's one call, while the layer's own forward (transformers' code) runs as it is:
+
+1. the input norm gives the n1 the previous layer's span computed (else computes it), and the
+   layer's q/k/v group hands out the q/k/v of the same span (client/fusion.py's kept outputs);
+2. the attention runs, with its o_proj shim giving float32 zeros: a LoRA on o_proj then returns its
+   delta d alone, in float32. The attention makes the span call with [a, r, d] (o_proj's input,
+   the layer's input) and returns o = o_proj(a) + d, rounded once, as PEFT computes it;
+3. the post-attention norm gives n2 and the MLP block m; the layer adds its residuals itself;
+4. the layer hands n1 and the next q/k/v on to the next layer, for its output h2 exactly.
+
+The span computes with the executor's copies of the norms: a tenant's span is used only while its
+norms hold the served weights (checked at virtualize against the unit's fingerprint, and after by
+the weights' version counters). A layer runs its own way (three calls) whenever a span cannot stand
+for it: gradients recorded (a span keeps nothing for backward), torch.compile tracing, more than
+SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on o_proj (and q, k, v), a hook on
+any of its parts or the next layer's, changed norms, or a masked tenant. What the parts hand each
+other is the calling thread's: threads sharing a model each get their own.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from symbiont.client.shim import HANDED, UnitRef, VirtLayer, _state, handed, tracing
+from symbiont.client.whole_mlp import VirtMLP, _global_hooks
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import layer_span
+from symbiont.proto.fingerprint import fingerprint
+
+SPAN_MAX_TOKENS = 256
+"""A layer of more tokens than this (a long prefill) makes its three calls: their round trips cost
+little beside its GEMMs, and a span's reply is 4 hidden widths and q/k/v per token."""
+WASTE_LIMIT = 3
+"""A span stops after this many calls in a row whose n1 the next layer did not take."""
+ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+
+
+class SpanUnit(UnitRef):
+    """The span unit of one decoder layer, and what the parts of the layer take from its call."""
+
+    def __init__(self, unit, layer: nn.Module, o_shim: VirtLayer, pieces: list[int], nxt: nn.Module | None, group):
+        self.unit_id = unit.id
+        self.transport = o_shim.transport
+        self._kind = unit.kind
+        self._d_in, self._d_out = unit.in_features, unit.out_features
+        self._dtype = o_shim._dtype
+        self.layer, self.o_shim, self.next, self.group = layer, o_shim, nxt, group  # (the next layer, its q/k/v group: None for the last)
+        self.pieces = pieces[:4] + (list(group.sizes) if group is not None else [])  # [o, n2, m, n1, q, k, v]
+        self.norms = (getattr(layer, layer_span.POST_NORM),) + ((getattr(nxt, layer_span.INPUT_NORM),) if nxt is not None else ())
+        self.weights = [(n.weight, n.weight._version) for n in self.norms]  # (the served norms', as checked at virtualize)
+        self.enabled, self.wasted = True, 0
+        self._now = _Now()
+        self._register()
+
+    # ---- whether the span stands for the layer now --------------------------------
+
+    def ready(self, h: torch.Tensor) -> bool:
+        layer, nxt = self.layer, self.next
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, layer_span.MLP, None)
+        parts = (layer, attn, mlp, getattr(layer, layer_span.INPUT_NORM, None), *self.norms)
+        if nxt is not None:
+            nattn = getattr(nxt, "self_attn", None)
+            parts += (nxt, nattn, *(getattr(nattn, n, None) for n in ("q_proj", "k_proj", "v_proj")))
+        return (
+            self.enabled
+            and not torch.is_grad_enabled()
+            and not tracing()
+            and h.dtype == self._dtype
+            and h.dim() > 0 and h.shape[-1] == self.pieces[0]
+            and h.numel() // h.shape[-1] <= SPAN_MAX_TOKENS
+            and isinstance(attn, VirtSpanAttention) and isinstance(mlp, VirtMLP) and mlp._whole.serves(mlp, h)
+            and getattr(layer, layer_span.POST_NORM) is self.norms[0]
+            and (nxt is None or getattr(nxt, layer_span.INPUT_NORM) is self.norms[1])
+            and all(n.weight is w and n.weight._version == v for n, (w, v) in zip(self.norms, self.weights))
+            and not any(_hooked(m) for m in parts)
+            and _plain_or_lora(getattr(attn, "o_proj", None), self.o_shim)
+            and (self.group is None or self.group.enabled)
+            and not _global_hooks()
+        )
+
+    # ---- the layer's forward with the span on -------------------------------------
+
+    def run(self, layer_forward, h: torch.Tensor, args, kwargs) -> torch.Tensor:
+        gives, now = HANDED.gives, self._now
+        now.r, now.carry = h, None
+        try:
+            h2 = layer_forward(h, *args, **kwargs)
+        finally:
+            now.r = None
+            gives.pop(id(self.norms[0]), None)  # (what was not taken goes)
+            gives.pop(id(getattr(self.layer, layer_span.MLP)), None)
+        carry, now.carry = now.carry, None
+        if carry and self.next is not None:
+            n1, qkv = carry
+            if gives.pop(id(self.norms[1]), None) is None:  # (the next layer took the last one, or there was none)
+                self.wasted = 0
+            else:
+                self.wasted += 1
+                self.enabled = self.wasted < WASTE_LIMIT
+            gives[id(self.norms[1])] = (h2, _state(h2), n1)
+            last = self.group._last
+            last.kept, last.x, last.state, last.wasted = dict(enumerate(qkv)), n1, _state(n1), 0
+        return h2
+
+    def attention(self, attn_forward, args, kwargs):
+        """The attention's forward with o_proj giving float32 zeros, then the span's call: returns
+        what the attention returns, its output o_proj(a) + d."""
+        now = self._now
+        r = now.r
+        if r is None:
+            return attn_forward(*args, **kwargs)
+        seen = HANDED.zeroing[id(self.o_shim)] = []
+        try:
+            out = attn_forward(*args, **kwargs)
+        finally:
+            del HANDED.zeroing[id(self.o_shim)]
+        now.r = None  # (taken: the layer's forward has no second attention)
+        d = out[0] if isinstance(out, tuple) else out
+        if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
+            raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve without --layer-spans")
+        a = seen[0]
+        lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
+        pieces = layer_span.split_delta(d.reshape(-1, d.shape[-1]), self._dtype)
+        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, *pieces], dim=-1)
+
+        def take_pieces(y):
+            return [p.reshape(*lead, p.shape[-1]).clone(memory_format=torch.contiguous_format)
+                    for p in y.reshape(-1, y.shape[-1]).split(self.pieces, dim=-1)]
+
+        o, n2, m, *carry = self._remote(x, pb.FORWARD, take_pieces)
+        gives = HANDED.gives
+        gives[id(self.norms[0])] = (None, None, n2)  # (its next call's: on h = r + o)
+        gives[id(getattr(self.layer, layer_span.MLP))] = (n2, None, m)
+        now.carry = (carry[0], tuple(carry[1:])) if carry else ()  # (n1, (q, k, v)); () for the last layer
+        return (o, *out[1:]) if isinstance(out, tuple) else o
+
+
+class _Now(threading.local):
+    """A thread's state of one span: the layer's input while its forward runs with the span on
+    (None once the attention took it), and what the call carries to the next layer."""
+
+    def __init__(self):
+        self.r, self.carry = None, None
+
+
+def _hooked(module) -> bool:
+    """Whether a module has a hook of its own that its forward would run, transformers' output
+    recorders aside (they only read what a module returns, and stay once installed)."""
+    if not isinstance(module, nn.Module):
+        return False
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
+
+
+def _plain_or_lora(module, shim: VirtLayer) -> bool:
+    """o_proj is its shim, or PEFT's vanilla LoRA Linear over it with at most one active adapter
+    (its forward then returns base + delta, and float32 zeros for base give the delta alone)."""
+    if module is shim:
+        return True
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        return False
+    if type(module) is not LoraLinear or module.get_base_layer() is not shim or module.merged:
+        return False
+    active = [a for a in module.active_adapters if a in module.lora_A] if not module.disable_adapters else []
+    return len(active) <= 1 and not any(a in module.lora_variant for a in active) and (
+        shim._dtype in (torch.float32, torch.bfloat16) or all(module.lora_A[a].weight.dtype == shim._dtype for a in active))
+
+
+# ---- the parts of a layer -----------------------------------------------------------
+
+
+class VirtSpanDecoder:
+    """Mixin placed first in a decoder layer's class: its forward with the span on, while it may."""
+
+    _span: SpanUnit
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if tracing():  # (torch.compile sees the layer's own forward: no span state in its graph)
+            return super().forward(hidden_states, *args, **kwargs)
+        span = self._span
+        if span.ready(hidden_states):
+            return span.run(super().forward, hidden_states, args, kwargs)
+        if span.next is not None:
+            HANDED.gives.pop(id(span.norms[1]), None)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+class VirtSpanAttention:
+    """Mixin placed first in an attention's class: its forward makes the span's call when its layer's is on."""
+
+    _span: SpanUnit
+
+    def forward(self, *args, **kwargs):
+        if tracing():
+            return super().forward(*args, **kwargs)
+        return self._span.attention(super().forward, args, kwargs)
+
+
+class VirtNorm:
+    """Mixin placed first in a norm's class: gives what a span computed for its input (its layer's
+    span for the post-attention norm, the layer before's for the input norm), else computes it."""
+
+    def forward(self, x):
+        y = None if tracing() else handed(self, x)
+        return super().forward(x) if y is None else y
+
+
+def _base(module):
+    """The module a PEFT layer wraps (a shim's is itself), or None."""
+    get = getattr(module, "get_base_layer", None)
+    return get() if callable(get) else None
+
+
+def _own(module, names: tuple[str, ...]) -> bool:
+    """Whether `module`'s class, past the classes of ours made over it (FusionScope, VirtNorm, ...),
+    is one of `names` with its own forward."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("symbiont."):
+            return cls.__name__ in names and cls.forward.__qualname__ == f"{cls.__name__}.forward"
+    return False
+
+
+def _norm(module) -> bool:
+    """A norm of a known class (made a VirtNorm already, as the next layer's of another span)."""
+    return _own(module, layer_span.NORMS)
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(module: nn.Module, mixin: type) -> None:
+    cls = type(module)
+    if isinstance(module, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Virt{cls.__name__}" if not cls.__name__.startswith("Virt") else cls.__name__,
+                             (mixin, cls), {"__module__": __name__})
+    module.__class__ = _CLASSES[key]
+
+
+def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -> int:
+    """Makes each decoder layer the executor serves a span for call it (module docstring), where
+    the tenant's layer is of a known class with its o_proj shim, a whole-MLP block, norms that
+    hold the served weights (the unit's fingerprint names them) and, but for the last layer, a
+    fused q/k/v group in the next layer. Returns how many layers do."""
+    by_unit = {g.unit_id: g for g in groups}
+    paths = {id(m): p for p, m in root.named_modules()}
+    n = 0
+    for unit in units:
+        path = unit.id[: -len(".span")]
+        try:
+            layer = root.get_submodule(path)
+        except AttributeError:
+            continue
+        o_proj, mlp_id, *qkv = unit.members
+        o_shim, mlp = shims.get(o_proj), getattr(layer, layer_span.MLP, None)
+        attn = getattr(layer, "self_attn", None)
+        if not (_own(layer, layer_span.DECODERS) and _own(attn, ATTENTIONS)
+                and isinstance(o_shim, VirtLayer) and _base(getattr(attn, "o_proj", None)) is o_shim and isinstance(mlp, VirtMLP)
+                and mlp._whole.unit_id == mlp_id and all(_norm(getattr(layer, n, None)) for n in (layer_span.INPUT_NORM, layer_span.POST_NORM))):
+            continue
+        group = nxt = None
+        if qkv:
+            group = by_unit.get(qkv[0])
+            try:
+                nxt = root.get_submodule(qkv[0][: -len("." + layer_span.QKV)])
+            except AttributeError:
+                continue
+            if group is None or not _norm(getattr(nxt, layer_span.INPUT_NORM, None)):
+                continue
+        _, d_out, pieces = layer_span.widths(o_shim._d_out, o_shim._d_in, group._d_out if group else 0)
+        norms = [getattr(layer, layer_span.POST_NORM)] + ([getattr(nxt, layer_span.INPUT_NORM)] if nxt is not None else [])
+        if d_out != unit.out_features or paths.get(id(layer)) != path or layer_span.norms_print(norms, fingerprint) not in unit.fingerprint:
+            continue  # (norms of other weights than the served ones: the layer calls its units)
+        span = SpanUnit(unit, layer, o_shim, pieces, nxt, group)
+        _subclass(layer, VirtSpanDecoder)
+        _subclass(attn, VirtSpanAttention)
+        for name in (layer_span.INPUT_NORM, layer_span.POST_NORM):
+            _subclass(getattr(layer, name), VirtNorm)
+        if nxt is not None:
+            _subclass(span.norms[1], VirtNorm)
+        layer._span = attn._span = span
+        n += 1
+    return n

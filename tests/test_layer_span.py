@@ -1,0 +1,270 @@
+"""Layer spans (`serve --layer-spans`, client/layer_span.py): a decoding tenant makes one call per
+decoder layer, from its attention output to the next layer's q/k/v, and gets bitwise the unsplit
+model's logits and greedy tokens, with LoRA on every attention projection too; a layer whose
+span cannot stand for it (gradients recorded, a long prefill, a hook) makes its three calls, exact
+as before; a span unit refuses every op but FORWARD with a typed error and the executor carries on."""
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from symbiont import connect, virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont.client import layer_span
+from symbiont.client.errors import InvalidCallError
+from symbiont.proto import executor_pb2 as pb
+from tests.conftest import running_executor
+from tests.models import assert_grads_close, ids, lora_grads
+
+LAYERS = 2  # of every tiny model
+
+
+class Calls:
+    """Calls per unit the executor served inside the `with` block."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def _now(self) -> collections.Counter:
+        return collections.Counter({u.unit: u.calls for u in self.observer.stats().units})
+
+    def __enter__(self):
+        self.observer = connect(self.url)  # never attaches: stats only
+        self.before = self._now()
+        return self
+
+    def __exit__(self, *exc):
+        self.by_unit = self._now() - self.before
+        self.observer.close()
+
+    def spans(self) -> int:
+        return sum(n for u, n in self.by_unit.items() if u.endswith(".span"))
+
+
+def lora_everywhere(name: str):
+    """LoRA on q, k, v and o (S3's adapters): o_proj's delta rides in the span's call."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return get_peft_model(build_builtin(name), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+                                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_one_call_a_layer_and_the_unsplit_logits_and_tokens(name):
+    x = ids(2, 9)
+    with running_executor(name, "--layer-spans") as ex:
+        for make in (lambda: build_builtin(name), lambda: lora_everywhere(name)):
+            ref, virt = make(), virtualize(make(), ex.url)
+            with Calls(ex.url) as calls, torch.no_grad():
+                got = virt(input_ids=x).logits
+            assert torch.equal(got, ref(input_ids=x).logits)
+            # the embedding, the first layer's q/k/v, a span a layer, the lm_head
+            assert calls.spans() == LAYERS and sum(calls.by_unit.values()) == LAYERS + 3, calls.by_unit
+            kw = dict(max_new_tokens=5, do_sample=False)
+            with Calls(ex.url) as calls:
+                assert torch.equal(virt.generate(input_ids=x, **kw), ref.generate(input_ids=x, **kw))
+            assert calls.spans() == 5 * LAYERS, calls.by_unit
+
+
+def test_training_makes_the_layers_calls_and_inference_after_it_is_exact():
+    """With gradients recorded a layer makes its own calls (a span keeps nothing for backward):
+    the adapter and norm gradients are the unsplit model's; a forward without them after the step
+    uses the spans whose norms the step left as they were."""
+    x = ids(2, 9)
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        ref, virt = lora_everywhere("tiny-llama"), virtualize(lora_everywhere("tiny-llama"), ex.url)
+        for m in (ref, virt):  # (a norm a span would compute trains too: its gradient must come back)
+            m.base_model.model.model.layers[1].input_layernorm.weight.requires_grad_(True)
+        with Calls(ex.url) as calls:
+            for m in (ref, virt):
+                m(input_ids=x, labels=x).loss.backward()
+        assert calls.spans() == 0 and calls.by_unit, calls.by_unit
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
+        with torch.no_grad():  # (one step of both by the unsplit model's gradients: the same adapters)
+            step = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            for m in (ref, virt):
+                for n, p in m.named_parameters():
+                    if n in step:
+                        p.add_(step[n], alpha=-0.1)
+            with Calls(ex.url) as calls:
+                got = virt(input_ids=x).logits
+            assert torch.equal(got, ref(input_ids=x).logits)
+        assert calls.spans() == LAYERS - 1  # (the step changed a norm span 0 computes: it is off; span 1 is on)
+
+
+def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
+    """A hook on a layer's post-attention norm (it must run), and a prefill longer than
+    SPAN_MAX_TOKENS: those layers call q/k/v, o_proj and the MLP as before, and stay exact."""
+    name = "tiny-llama"
+    with running_executor(name, "--layer-spans") as ex:
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        seen = []
+        virt.model.layers[1].post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        x = ids(1, 7)
+        with Calls(ex.url) as calls, torch.no_grad():
+            got = virt(input_ids=x).logits
+        assert torch.equal(got, ref(input_ids=x).logits) and seen == [(1, 7, 64)]
+        assert calls.by_unit["model.layers.0.span"] == 1 and "model.layers.1.span" not in calls.by_unit, calls.by_unit
+        assert calls.by_unit["model.layers.1.mlp"] == 1 and calls.by_unit["model.layers.1.self_attn.o_proj"] == 1
+
+        virt = virtualize(build_builtin(name), ex.url)
+        x = ids(1, layer_span.SPAN_MAX_TOKENS + 1)
+        with Calls(ex.url) as calls, torch.no_grad():
+            got = virt(input_ids=x).logits
+        assert torch.equal(got, ref(input_ids=x).logits)
+        assert calls.spans() == 0, calls.by_unit
+
+
+def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
+    """Under torch.inference_mode (whose tensors keep no version counter): an in-place forward
+    hook on a layer, an in-place pre-hook on an MLP block, norms whose weights changed after
+    virtualize, a model whose norms are not the served ones, and a norm PEFT wraps to train it
+    (modules_to_save, applied after virtualize): each layer concerned makes its own calls, and the
+    logits are the unsplit model's with the same change. transformers' output recorders (installed
+    by one output_hidden_states=True) leave the spans on."""
+    from peft import LoraConfig, get_peft_model
+
+    name, x = "tiny-llama", ids(1, 6)
+
+    def check(ref, virt, spans, **kw):
+        with torch.inference_mode():
+            want = ref(input_ids=x, **kw).logits
+            with Calls(ex.url) as calls:
+                got = virt(input_ids=x, **kw).logits
+        assert torch.equal(got, want)
+        assert calls.spans() == spans, calls.by_unit
+
+    with running_executor(name, "--layer-spans") as ex:
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        check(ref, virt, LAYERS, output_hidden_states=True)
+        check(ref, virt, LAYERS)  # (the recorders stay, inert)
+        v = torch.linspace(-1, 1, 64)
+        for m in (ref, virt):
+            m.model.layers[0].register_forward_hook(lambda mod, i, o: o.add_(v))
+            m.model.layers[1].mlp.register_forward_pre_hook(lambda mod, a: a[0].mul_(2))
+        check(ref, virt, 0)
+
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        with torch.no_grad():
+            for m in (ref, virt):
+                m.model.layers[1].input_layernorm.weight.mul_(1.5)  # (span 0 computes it; span 1 does not)
+        check(ref, virt, 1)
+
+        changed = build_builtin(name)
+        with torch.no_grad():
+            changed.model.layers[0].post_attention_layernorm.weight.add_(0.25)
+        ref, virt = copy.deepcopy(changed), virtualize(changed, ex.url)
+        check(ref, virt, 1)
+
+        config = lambda: LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],  # noqa: E731
+                                    modules_to_save=["post_attention_layernorm"])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            ref = get_peft_model(build_builtin(name), config())
+            torch.manual_seed(5)
+            virt = get_peft_model(virtualize(build_builtin(name), ex.url), config())
+        check(ref, virt, 0)
+
+
+def test_bfloat16_with_a_float32_lora_on_o_proj_is_bitwise():
+    """PEFT keeps a bfloat16 model's LoRA weights in float32 and adds their delta to o_proj's output
+    before rounding once: the span carries the delta in float32 (three bfloat16 pieces) and does the
+    same, so the logits and greedy tokens are the unsplit model's bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    name = "tiny-llama"
+
+    def make():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            return get_peft_model(build_builtin(name, torch.bfloat16), LoraConfig(
+                r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+    with running_executor(name, "--layer-spans", "--dtype", "bfloat16") as ex:
+        ref, virt = make(), virtualize(make(), ex.url)
+        assert ref.base_model.model.model.layers[0].self_attn.o_proj.lora_A["default"].weight.dtype == torch.float32
+        x = ids(2, 9)
+        with torch.no_grad(), Calls(ex.url) as calls:
+            got = virt(input_ids=x).logits
+        assert calls.spans() == LAYERS
+        with torch.no_grad():
+            assert torch.equal(got, ref(input_ids=x).logits)
+        kw = dict(max_new_tokens=6, do_sample=False)
+        assert torch.equal(virt.generate(input_ids=x, **kw), ref.generate(input_ids=x, **kw))
+
+
+def test_a_span_unit_takes_forward_only_and_the_executor_carries_on():
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        conn = connect(ex.url)
+        conn.ensure_attached()
+        span = next(u for u in conn.catalog().units if u.kind == "span")
+        t = conn.transport
+        for op, width in ((pb.BACKWARD, span.out_features), (pb.FORWARD_NO_BIAS, span.in_features)):
+            with pytest.raises(InvalidCallError, match="FORWARD only"):
+                t.call(span.id, op, torch.zeros(2, width), (2, span.in_features if op == pb.BACKWARD else span.out_features),
+                       torch.float32, pb.INFERENCE)
+        with pytest.raises(InvalidCallError, match="last dimension"):
+            t.call(span.id, pb.FORWARD, torch.zeros(2, span.in_features + 1), (2, span.out_features), torch.float32, pb.INFERENCE)
+        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), conn)
+        with torch.no_grad():
+            assert torch.equal(virt(input_ids=ids(1, 5)).logits, ref(input_ids=ids(1, 5)).logits)
+        conn.close()
+
+
+def test_a_compiled_model_traces_the_layers_own_forward():
+    """torch.compile traces each layer's own forward (the custom ops, fused groups): no graph
+    break, the unsplit logits; the span's parts keep nothing traced."""
+    torch._dynamo.utils.counters.clear()
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), ex.url)
+        compiled = torch.compile(virt, backend="aot_eager")
+        x = ids(1, 7)
+        for _ in range(2):
+            with torch.no_grad(), Calls(ex.url) as calls:
+                assert torch.equal(compiled(x).logits, ref(x).logits)
+            assert calls.spans() == 0 and calls.by_unit
+        assert not torch._dynamo.utils.counters["graph_break"]
+        with torch.no_grad(), Calls(ex.url) as calls:  # (eager again: spans)
+            assert torch.equal(virt(x).logits, ref(x).logits)
+        assert calls.spans() == LAYERS
+
+
+def test_threads_sharing_a_model_each_get_their_own_spans():
+    """Two threads decode with one virtualized model at once: what a span's parts hand each other
+    is the calling thread's, so each gets the unsplit logits."""
+    import threading
+
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), ex.url)
+        xs = [ids(1, 6, seed=s) for s in (1, 2)]
+        with torch.no_grad():
+            want = [ref(input_ids=x).logits for x in xs]
+        bad, go = [], threading.Barrier(2)
+
+        def work(i):
+            go.wait()
+            try:
+                with torch.no_grad():
+                    for _ in range(20):
+                        if not torch.equal(virt(input_ids=xs[i]).logits, want[i]):
+                            bad.append(i)
+            except Exception as e:
+                bad.append(repr(e))
+
+        with Calls(ex.url) as calls:
+            threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert not bad and calls.spans() == 2 * 20 * LAYERS, (bad, calls.by_unit)
+
+
+def test_without_the_flag_no_spans_are_served():
+    with running_executor("tiny-llama") as ex, connect(ex.url) as conn:
+        assert not [u for u in conn.catalog().units if u.kind == "span"]
