@@ -88,6 +88,9 @@ def main() -> int:
                    help="also time a tenant of a second executor that serves every call from Python (--no-native-serve)")
     p.add_argument("--compare-unfused-act", action="store_true",
                    help="also time a tenant of a second executor whose MLP units do not fuse silu(gate) * up (--no-fused-act)")
+    p.add_argument("--compare-layer-spans", action="store_true",
+                   help="also time a tenant of a second executor that serves layer spans (--layer-spans: one call a "
+                        "decoder layer while decoding)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -116,7 +119,8 @@ def main() -> int:
     procs = [proc]
     other_executor = ("eager executor", ["--graph-tokens", "0"]) if a.compare_eager_executor else \
         ("python-serving executor", ["--no-native-serve"]) if a.compare_python_serve else \
-        ("unfused-act executor", ["--no-fused-act"]) if a.compare_unfused_act else None
+        ("unfused-act executor", ["--no-fused-act"]) if a.compare_unfused_act else \
+        ("layer-spans executor", ["--layer-spans"]) if a.compare_layer_spans else None
     if other_executor:
         eager_url = url + "-other"
         eager_cmd = [sys.executable, "-m", "symbiont.base_executor.cli", "serve", "--model", a.model, "--listen", eager_url,
@@ -318,7 +322,8 @@ def main() -> int:
         print({"per-linear MLP": "with whole-MLP calls off:", "python calls": "with native calls off:",
                "eager executor": "served by an executor without graphs:",
                "python-serving executor": "served by an executor without native lanes:",
-               "unfused-act executor": "served by an executor without the fused MLP activation:"}[other])
+               "unfused-act executor": "served by an executor without the fused MLP activation:",
+               "layer-spans executor": "served by an executor with layer spans (one call a decoder layer while decoding):"}[other])
         for k in [k for k in ("finetune", "decode", "prefill") if k in results]:
             v = results[k]
             print(f"{k:10s} {v['unsplit'] * 1e3:11.2f} {v[other] * 1e3:12.2f} {v[other] / v['unsplit']:7.3f} "
