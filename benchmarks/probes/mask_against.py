@@ -7,6 +7,7 @@ the second masking looked faster). Executor on the CPU; also prints each masking
 difference from the plain reply.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/mask_against.py --against REV [--dtype bfloat16] [--tokens 1,16,64]
+        [--against-file PATH (a privacy.py, where the tree has no git history)] [--device cuda:0 (the executor's)]
 """
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from s6_transport import HIDDEN, REPO, UNIT, free_port, make_model, serving  # noqa: E402
 
 
-def privacy_at(rev: str):
-    """client/privacy.py as it was at `rev`, imported as a module of its own."""
+def privacy_at(rev: str, file: str = ""):
+    """client/privacy.py as it was at `rev` (or the file `file`), imported as a module of its own."""
     path = os.path.join(tempfile.mkdtemp(), "privacy_then.py")
     with open(path, "w") as f:
-        f.write(subprocess.run(["git", "show", f"{rev}:client/privacy.py"], cwd=REPO, check=True,
-                               capture_output=True, text=True).stdout)
+        if file:
+            with open(file) as src:
+                f.write(src.read())
+        else:
+            f.write(subprocess.run(["git", "show", f"{rev}:client/privacy.py"], cwd=REPO, check=True,
+                                   capture_output=True, text=True).stdout)
     spec = importlib.util.spec_from_file_location("privacy_then", path)
     module = sys.modules["privacy_then"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
     spec.loader.exec_module(module)
@@ -46,19 +51,21 @@ def main() -> int:
     from symbiont.proto import executor_pb2 as pb
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", required=True, help="the commit whose client/privacy.py to compare with")
+    p.add_argument("--against", required=True, help="the commit whose client/privacy.py to compare with (a name for --against-file)")
+    p.add_argument("--against-file", default="", help="that privacy.py as a file (a tree without git history: a GPU host's copy)")
+    p.add_argument("--device", default="cpu", help="the executor's device (the tenant is on the CPU)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--rounds", type=int, default=400)
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
-    then = privacy_at(a.against)
+    then = privacy_at(a.against, a.against_file)
     tmp = tempfile.mkdtemp()
     make_model(tmp)
     port = free_port()
-    print(f"median us per call over loopback gRPC, {HIDDEN}x{HIDDEN}, rank 16, {a.dtype}, executor on the CPU; "
+    print(f"median us per call over loopback gRPC, {HIDDEN}x{HIDDEN}, rank 16, {a.dtype}, executor on {a.device}; "
           f"masked now / masked at {a.against}")
-    with serving(tmp, f"local://maskagainst-{os.getpid()}", "cpu", a.dtype, ["--listen", f"grpc://127.0.0.1:{port}", "--insecure"]):
+    with serving(tmp, f"local://maskagainst-{os.getpid()}", a.device, a.dtype, ["--listen", f"grpc://127.0.0.1:{port}", "--insecure"]):
         conn = connect(f"grpc://127.0.0.1:{port}")
         conn.ensure_attached()
         t = conn.transport
