@@ -62,28 +62,31 @@ class SpanUnit(UnitRef):
     # ---- whether the span stands for the layer now --------------------------------
 
     def ready(self, h: torch.Tensor) -> bool:
-        layer, nxt = self.layer, self.next
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, layer_span.MLP, None)
-        parts = (layer, attn, mlp, getattr(layer, layer_span.INPUT_NORM, None), *self.norms)
-        if nxt is not None:
-            nattn = getattr(nxt, "self_attn", None)
-            parts += (nxt, nattn, *(getattr(nattn, n, None) for n in ("q_proj", "k_proj", "v_proj")))
-        return (
-            self.enabled
-            and not torch.is_grad_enabled()
-            and not tracing()
-            and h.dtype == self._dtype
-            and h.dim() > 0 and h.shape[-1] == self.pieces[0]
-            and h.numel() // h.shape[-1] <= SPAN_MAX_TOKENS
-            and isinstance(attn, VirtSpanAttention) and isinstance(mlp, VirtMLP) and mlp._whole.serves(mlp, h)
-            and getattr(layer, layer_span.POST_NORM) is self.norms[0]
-            and (nxt is None or getattr(nxt, layer_span.INPUT_NORM) is self.norms[1])
-            and all(n.weight is w and n.weight._version == v for n, (w, v) in zip(self.norms, self.weights))
-            and not any(_hooked(m) for m in parts)
-            and _plain_or_lora(getattr(attn, "o_proj", None), self.o_shim)
-            and (self.group is None or self.group.enabled)
-            and not _global_hooks()
-        )
+        """Whether the span stands for its layer on input h now (the layer's every call: plain
+        dict lookups, no module __getattr__)."""
+        if not self.enabled or torch.is_grad_enabled() or tracing() or h.dtype != self._dtype or h.dim() == 0:
+            return False
+        if h.shape[-1] != self.pieces[0] or h.numel() // h.shape[-1] > SPAN_MAX_TOKENS:
+            return False
+        mods = self.layer._modules
+        attn, mlp = mods.get("self_attn"), mods.get(layer_span.MLP)
+        if not (isinstance(attn, VirtSpanAttention) and isinstance(mlp, VirtMLP)) or mods.get(layer_span.POST_NORM) is not self.norms[0]:
+            return False
+        parts = [self.layer, attn, mlp, mods.get(layer_span.INPUT_NORM), self.norms[0]]
+        if self.next is not None:
+            nmods = self.next._modules
+            nattn = nmods.get("self_attn")
+            if nmods.get(layer_span.INPUT_NORM) is not self.norms[1] or nattn is None:
+                return False
+            amods = nattn._modules
+            parts += [self.next, nattn, self.norms[1], amods.get("q_proj"), amods.get("k_proj"), amods.get("v_proj")]
+        if any(m is None or _hooked(m) for m in parts):
+            return False
+        for n, (w, v) in zip(self.norms, self.weights):
+            if n._parameters.get("weight") is not w or w._version != v:
+                return False
+        return (mlp._whole.serves(mlp, h) and _plain_or_lora(attn._modules.get("o_proj"), self.o_shim)
+                and (self.group is None or self.group.enabled) and not _global_hooks())
 
     # ---- the layer's forward with the span on -------------------------------------
 
@@ -127,7 +130,10 @@ class SpanUnit(UnitRef):
             raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve without --layer-spans")
         a = seen[0]
         lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
-        pieces = layer_span.split_delta(d.reshape(-1, d.shape[-1]), self._dtype)
+        if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)
+            pieces = (torch.zeros(rows.shape[0], 3 * rows.shape[1], dtype=self._dtype, device=rows.device),)
+        else:
+            pieces = layer_span.split_delta(d.reshape(-1, d.shape[-1]), self._dtype)
         x = torch.cat([a.reshape(-1, a.shape[-1]), rows, *pieces], dim=-1)
 
         def take_pieces(y):
@@ -150,13 +156,11 @@ class _Now(threading.local):
         self.r, self.carry = None, None
 
 
-def _hooked(module) -> bool:
+def _hooked(module: nn.Module) -> bool:
     """Whether a module has a hook of its own that its forward would run, transformers' output
     recorders aside (they only read what a module returns, and stay once installed)."""
-    if not isinstance(module, nn.Module):
-        return False
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
+    return any(hooks) and any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
 
 
 def _plain_or_lora(module, shim: VirtLayer) -> bool:
@@ -164,15 +168,25 @@ def _plain_or_lora(module, shim: VirtLayer) -> bool:
     (its forward then returns base + delta, and float32 zeros for base give the delta alone)."""
     if module is shim:
         return True
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:
-        return False
-    if type(module) is not LoraLinear or module.get_base_layer() is not shim or module.merged:
+    if type(module) is not _lora_linear() or module.get_base_layer() is not shim or module.merged:
         return False
     active = [a for a in module.active_adapters if a in module.lora_A] if not module.disable_adapters else []
     return len(active) <= 1 and not any(a in module.lora_variant for a in active) and (
         shim._dtype in (torch.float32, torch.bfloat16) or all(module.lora_A[a].weight.dtype == shim._dtype for a in active))
+
+
+_LORA_LINEAR: list = []
+
+
+def _lora_linear():
+    """PEFT's LoRA Linear class (None without PEFT), looked up once."""
+    if not _LORA_LINEAR:
+        try:
+            from peft.tuners.lora.layer import Linear
+        except ImportError:
+            Linear = None
+        _LORA_LINEAR.append(Linear)
+    return _LORA_LINEAR[0]
 
 
 # ---- the parts of a layer -----------------------------------------------------------
