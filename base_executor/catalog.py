@@ -242,7 +242,7 @@ class UnitTable:
                 self.units[layer_span.span_id(path)] = Unit(
                     id=layer_span.span_id(path), kind=SPAN, weight=None, bias=None, in_features=d_in, out_features=d_out,
                     members=tuple(members), norms=tuple(copy.deepcopy(m).requires_grad_(False) for m in norms),
-                    fingerprint="+".join(m.fingerprint for m in members) + "|" + layer_span.norms_print(norms, fingerprint))
+                    fingerprint="+".join(m.fingerprint for m in members) + "|" + layer_span.norms_print(norms))
                 n += 1
         return n
 

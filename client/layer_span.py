@@ -30,16 +30,15 @@ from torch import nn
 
 from symbiont.client.shim import HANDED, UnitRef, VirtLayer, _state, handed, tracing
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
+from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import layer_span
-from symbiont.proto.fingerprint import fingerprint
 
 SPAN_MAX_TOKENS = 256
 """A layer of more tokens than this (a long prefill) makes its three calls: their round trips cost
 little beside its GEMMs, and a span's reply is 4 hidden widths and q/k/v per token."""
 WASTE_LIMIT = 3
 """A span stops after this many calls in a row whose n1 the next layer did not take."""
-ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 
 
 class SpanUnit(UnitRef):
@@ -85,8 +84,9 @@ class SpanUnit(UnitRef):
         for n, (w, v) in zip(self.norms, self.weights):
             if n._parameters.get("weight") is not w or w._version != v:
                 return False
-        return (mlp._whole.serves(mlp, h) and _plain_or_lora(attn._modules.get("o_proj"), self.o_shim)
-                and (self.group is None or self.group.enabled) and not _global_hooks())
+        o_proj = attn._modules.get("o_proj")  # (any hook of it would see zeros, or change only the delta)
+        return (mlp._whole.serves(mlp, h) and _plain_or_lora(o_proj, self.o_shim) and not _any_hook(o_proj)
+                and not _any_hook(self.o_shim) and (self.group is None or self.group.enabled) and not _global_hooks())
 
     # ---- the layer's forward with the span on -------------------------------------
 
@@ -158,7 +158,9 @@ class _Now(threading.local):
 
 def _hooked(module: nn.Module) -> bool:
     """Whether a module has a hook of its own that its forward would run, transformers' output
-    recorders aside (they only read what a module returns, and stay once installed)."""
+    recorders aside: they only read what a module returns, and stay once installed (a part a span
+    stands for is still called and returns its true output; o_proj, which gives zeros, is checked
+    for any hook)."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
     return any(hooks) and any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
 
@@ -234,18 +236,9 @@ def _base(module):
     return get() if callable(get) else None
 
 
-def _own(module, names: tuple[str, ...]) -> bool:
-    """Whether `module`'s class, past the classes of ours made over it (FusionScope, VirtNorm, ...),
-    is one of `names` with its own forward."""
-    for cls in type(module).__mro__:
-        if not cls.__module__.startswith("symbiont."):
-            return cls.__name__ in names and cls.forward.__qualname__ == f"{cls.__name__}.forward"
-    return False
-
-
 def _norm(module) -> bool:
     """A norm of a known class (made a VirtNorm already, as the next layer's of another span)."""
-    return _own(module, layer_span.NORMS)
+    return layer_span.own(module, layer_span.NORMS)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -279,7 +272,7 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
         o_proj, mlp_id, *qkv = unit.members
         o_shim, mlp = shims.get(o_proj), getattr(layer, layer_span.MLP, None)
         attn = getattr(layer, "self_attn", None)
-        if not (_own(layer, layer_span.DECODERS) and _own(attn, ATTENTIONS)
+        if not (layer_span.own(layer, layer_span.DECODERS) and layer_span.own(attn, layer_span.ATTENTIONS)
                 and isinstance(o_shim, VirtLayer) and _base(getattr(attn, "o_proj", None)) is o_shim and isinstance(mlp, VirtMLP)
                 and mlp._whole.unit_id == mlp_id and all(_norm(getattr(layer, n, None)) for n in (layer_span.INPUT_NORM, layer_span.POST_NORM))):
             continue
@@ -294,7 +287,7 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
                 continue
         _, d_out, pieces = layer_span.widths(o_shim._d_out, o_shim._d_in, group._d_out if group else 0)
         norms = [getattr(layer, layer_span.POST_NORM)] + ([getattr(nxt, layer_span.INPUT_NORM)] if nxt is not None else [])
-        if d_out != unit.out_features or paths.get(id(layer)) != path or layer_span.norms_print(norms, fingerprint) not in unit.fingerprint:
+        if d_out != unit.out_features or paths.get(id(layer)) != path or layer_span.norms_print(norms) not in unit.fingerprint:
             continue  # (norms of other weights than the served ones: the layer calls its units)
         span = SpanUnit(unit, layer, o_shim, pieces, nxt, group)
         _subclass(layer, VirtSpanDecoder)

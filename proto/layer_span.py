@@ -16,7 +16,10 @@ the next layer: one call a layer instead of three (q/k/v, o_proj, the MLP), and 
 the executor. Decoder layers of these classes only (their own forward, Llama's order of ops)."""
 from __future__ import annotations
 
+from symbiont.proto.fingerprint import fingerprint
+
 DECODERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")  # (o_proj is the last thing they do)
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 QKV = "self_attn.{q_proj,k_proj,v_proj}"  # the next layer's q/k/v group unit, under its path
 O_PROJ, MLP = "self_attn.o_proj", "mlp"
@@ -29,9 +32,12 @@ def span_id(layer: str) -> str:
 
 
 def own(module, names: tuple[str, ...]) -> bool:
-    """Whether `module` is of one of the classes `names`, with that class's own forward."""
-    cls = type(module)
-    return cls.__name__ in names and cls.forward.__qualname__ == f"{cls.__name__}.forward"
+    """Whether `module`'s class is one of `names`, with that class's own forward; past the classes
+    of ours a tenant's module is made an instance of (a FusionScope's, a layer span's parts')."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("symbiont."):
+            return cls.__name__ in names and cls.forward.__qualname__ == f"{cls.__name__}.forward"
+    return False
 
 
 def widths(hidden: int, attn: int, qkv: int) -> tuple[int, int, list[int]]:
@@ -41,7 +47,7 @@ def widths(hidden: int, attn: int, qkv: int) -> tuple[int, int, list[int]]:
     return attn + 4 * hidden, sum(pieces), pieces
 
 
-def norms_print(norms, fingerprint) -> str:
+def norms_print(norms) -> str:
     """What a span unit's fingerprint says of the norms it computes with (the post-attention norm,
     then the next layer's input norm): their weights' fingerprints and epsilons. A tenant's span
     stands for its layer only where its own norms print the same."""

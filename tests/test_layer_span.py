@@ -122,7 +122,7 @@ def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
 
 def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
     """Under torch.inference_mode (whose tensors keep no version counter): an in-place forward
-    hook on a layer, an in-place pre-hook on an MLP block, norms whose weights changed after
+    hook on a layer, an in-place pre-hook on an MLP block, one on o_proj, norms whose weights changed after
     virtualize, a model whose norms are not the served ones, and a norm PEFT wraps to train it
     (modules_to_save, applied after virtualize): each layer concerned makes its own calls, and the
     logits are the unsplit model's with the same change. transformers' output recorders (installed
@@ -148,6 +148,11 @@ def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
             m.model.layers[0].register_forward_hook(lambda mod, i, o: o.add_(v))
             m.model.layers[1].mlp.register_forward_pre_hook(lambda mod, a: a[0].mul_(2))
         check(ref, virt, 0)
+
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        for m in (ref, virt):  # (under a span o_proj gives zeros: its hook would change only the delta)
+            m.model.layers[1].self_attn.o_proj.register_forward_hook(lambda mod, i, o: o.mul_(0.5))
+        check(ref, virt, 1)
 
         ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
         with torch.no_grad():
