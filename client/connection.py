@@ -216,13 +216,14 @@ class Connection:
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter)
+        # the non-unit weights first, one tensor at a time (what the device holds at most is them):
+        # virtualize reads the norms (a layer span serves the layers whose norms are the served ones)
         state = load(self.skeleton().weights)
-        missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in state]
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter)
+        missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if missing:
             raise RuntimeError(f"the executor's skeleton lacks weights for {missing[:5]}")
-        # one tensor at a time: what the device holds at most is the non-unit weights
-        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
         model.eval()
         return model
 

@@ -237,8 +237,9 @@ def _base(module):
 
 
 def _norm(module) -> bool:
-    """A norm of a known class (made a VirtNorm already, as the next layer's of another span)."""
-    return layer_span.own(module, layer_span.NORMS)
+    """A norm of a known class (made a VirtNorm already, as the next layer's of another span) whose
+    weight is loaded (a model virtualized on the meta device serves its layers unit by unit)."""
+    return layer_span.own(module, layer_span.NORMS) and not module.weight.is_meta
 
 
 _CLASSES: dict[tuple[type, type], type] = {}

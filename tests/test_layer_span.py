@@ -273,3 +273,21 @@ def test_threads_sharing_a_model_each_get_their_own_spans():
 def test_without_the_flag_no_spans_are_served():
     with running_executor("tiny-llama") as ex, connect(ex.url) as conn:
         assert not [u for u in conn.catalog().units if u.kind == "span"]
+
+
+def test_a_model_built_from_the_skeleton_serves_spans():
+    """connect(url).model(): the norms are loaded before virtualize reads them, so the skeleton's
+    model makes one call a layer too (and a model whose norms are still on the meta device makes
+    its layers' own calls instead of failing)."""
+    x = ids(1, 7)
+    with running_executor("tiny-llama", "--layer-spans") as ex, connect(ex.url) as conn:
+        ref = build_builtin("tiny-llama")
+        virt = conn.model(attn_implementation="eager")
+        with Calls(ex.url) as calls, torch.no_grad():
+            got = virt(input_ids=x).logits
+        assert calls.spans() == LAYERS, calls.by_unit
+        assert torch.equal(got, ref(input_ids=x).logits)
+        with torch.device("meta"):
+            empty = build_builtin("tiny-llama")
+        virtualize(empty, ex.url)
+        assert not [m for m in empty.modules() if getattr(m, "_span", None) is not None]

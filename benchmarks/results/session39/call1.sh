@@ -1,0 +1,7 @@
+. benchmarks/gpu_host_setup.sh; export PYTHONFAULTHANDLER=1
+tails() { for f in $1/executor*.log; do echo "== $f"; grep -v "^  File" $f | grep -v "mailboxes of process" | tail -8; done; }
+timeout -s INT 170 python -m pytest -m gpu -v -x tests/test_gpu.py -k "held_behind or stalled_input or taken_before_its_input or native_call_path or layer_spans" > $OUT/gpu_tests.log 2>&1; echo rc=$? >> $OUT/gpu_tests.log
+cd benchmarks
+timeout -s INT 380 python3 s3_inference.py --model llama-1b --ns 1,16 --max-processes 16 --mixed none --seconds 8 --executors "default=;spans=--layer-spans" --tag s39 --out /tmp/s3 > $OUT/s3.log 2>&1; echo rc=$? >> $OUT/s3.log
+cp /tmp/s3/*.json $OUT/ 2>/dev/null; tails /tmp/s3 > $OUT/s3_executor_tails.log 2>&1
+echo quit | nvidia-cuda-mps-control
