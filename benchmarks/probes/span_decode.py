@@ -4,7 +4,7 @@ order, against the unsplit model: a change measured by runs one after another mo
 2-core VM's runs do.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/probes/span_decode.py [--model smollm2-135m] [--rounds 200]
-        [--lora q_proj,v_proj] [--profile]
+        [--lora q_proj,v_proj] [--profile] [--device cuda:0]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def main() -> int:
     from peft import LoraConfig, get_peft_model
 
     from symbiont import virtualize
-    from symbiont.base_executor.models import default_model, load_model
+    from symbiont.base_executor.models import build_builtin, default_model, load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_model())
@@ -33,11 +33,17 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--lora", default="q_proj,v_proj", help="LoRA targets ('' for none)")
     p.add_argument("--profile", action="store_true", help="cProfile the span tenant's steps: the top functions")
+    p.add_argument("--device", default="cpu", help="the executors' and the tenants' device (a GPU serves bfloat16)")
     a = p.parse_args()
-    torch.set_num_threads(os.cpu_count())
+    dev = torch.device(a.device)
+    gpu = dev.type == "cuda"
+    if not gpu:
+        torch.set_num_threads(os.cpu_count())
+    served = ("--device", a.device, "--dtype", "bfloat16") if gpu else ()
 
     def make(url=None):
-        m = load_model(a.model).model
+        # (on a GPU the built-in's weights as the executor seeds them, in its dtype)
+        m = build_builtin(a.model, torch.bfloat16).to(dev) if gpu else load_model(a.model).model
         if url:
             m = virtualize(m, url)
         if a.lora:
@@ -49,9 +55,9 @@ def main() -> int:
     try:
         for name, extra in (("calls", ()), ("spans", ("--layer-spans",))):
             url = f"local://span-decode-{os.getpid()}-{name}"
-            procs.append(start_executor(a.model, url, "PASSIVE", extra))
+            procs.append(start_executor(a.model, url, "PASSIVE", (*served, *extra)))
             models[name] = make(url)
-        x = torch.randint(1, 200, (1, a.prompt), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(1, 200, (1, a.prompt), generator=torch.Generator().manual_seed(0)).to(dev)
         state = {}
         with torch.no_grad():
             for name, m in models.items():
@@ -78,6 +84,8 @@ def main() -> int:
                         profiler.enable()
                     t0 = time.perf_counter()
                     step(name)
+                    if gpu:
+                        torch.cuda.synchronize(dev)
                     times[name].append(time.perf_counter() - t0)
                     if profiler is not None and name == "spans":
                         profiler.disable()
