@@ -89,8 +89,8 @@ def main() -> int:
     p.add_argument("--compare-unfused-act", action="store_true",
                    help="also time a tenant of a second executor whose MLP units do not fuse silu(gate) * up (--no-fused-act)")
     p.add_argument("--compare-layer-spans", action="store_true",
-                   help="also time a tenant of a second executor that serves layer spans (--layer-spans: one call a "
-                        "decoder layer while decoding)")
+                   help="the first executor serves no layer spans (--no-layer-spans: three calls a decoder layer) "
+                        "and a tenant of a second executor that does (one call a decoder layer while decoding) is timed too")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     p.add_argument("--wait-replies", action="store_true", help="same GPU: each call waits for its reply (the default returns before it)")
     p.add_argument("--serve-args", default="", help="extra arguments for base-executor serve")
@@ -113,7 +113,7 @@ def main() -> int:
     ex_gpu = out_dir / f"s1_gpu_time_executor-{a.model}.json"  # (--gpu-time) the executor's GPU work
     launch = [str(REPO / "benchmarks" / "profiled_serve.py"), str(ex_gpu)] if a.gpu_time else ["-m", "symbiont.base_executor.cli"]
     cmd = [sys.executable, *launch, "serve", "--model", a.model, "--listen", url, "--device", a.device,
-           "--dtype", "bfloat16", *a.serve_args.split()]
+           "--dtype", "bfloat16", *a.serve_args.split(), *(["--no-layer-spans"] if a.compare_layer_spans else [])]
     log = open(out_dir / f"s1_executor-{a.model}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
     procs = [proc]

@@ -1,6 +1,6 @@
 """Layer spans: one remote call per decoder layer while a tenant decodes (proto/layer_span.py).
 
-An executor started with `--layer-spans` advertises a span unit per Llama-type decoder layer: from
+An executor (unless started with `--no-layer-spans`) advertises a span unit per Llama-type decoder layer: from
 the layer's attention output to the next layer's q/k/v. virtualize() makes the layer, its
 attention, its two norms and its MLP block instances of subclasses whose forward takes their part
 from the span's one call, while the layer's own forward (transformers' code) runs as it is:
@@ -127,7 +127,7 @@ class SpanUnit(UnitRef):
         now.r = None  # (taken: the layer's forward has no second attention)
         d = out[0] if isinstance(out, tuple) else out
         if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
-            raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve without --layer-spans")
+            raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve with --no-layer-spans")
         a = seen[0]
         lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
         if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)

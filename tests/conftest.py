@@ -68,17 +68,18 @@ def running_executor(model: str = "tiny-llama", *flags: str):
         assert rc == 0, f"executor exited with {rc}:\n{ex.log()}"
 
 
-_shared: dict[str, Executor] = {}
+_shared: dict[tuple[str, ...], Executor] = {}
 
 
 @pytest.fixture(scope="session")
 def executor_for():
-    """executor_for(model) -> a session-wide executor of that built-in model (started once)."""
+    """executor_for(model, *flags) -> a session-wide executor of that built-in model served with
+    those flags (started once)."""
 
-    def get(model: str) -> Executor:
-        ex = _shared.get(model)
+    def get(model: str, *flags: str) -> Executor:
+        ex = _shared.get((model, *flags))
         if ex is None or not ex.alive():
-            ex = _shared[model] = Executor(model)
+            ex = _shared[(model, *flags)] = Executor(model, *flags)
         return ex
 
     yield get
@@ -91,6 +92,13 @@ def executor_for():
 def executor(executor_for):
     """The session's tiny-llama executor."""
     return executor_for("tiny-llama")
+
+
+@pytest.fixture
+def unit_calls_executor(executor_for):
+    """The session's tiny-llama executor without layer spans (a decoding layer makes its q/k/v,
+    o_proj and MLP calls, as while training): for tests of those calls."""
+    return executor_for("tiny-llama", "--no-layer-spans")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""Layer spans (`serve --layer-spans`, client/layer_span.py): a decoding tenant makes one call per
+"""Layer spans (`serve`, on by default; client/layer_span.py): a decoding tenant makes one call per
 decoder layer, from its attention output to the next layer's q/k/v, and gets bitwise the unsplit
 model's logits and greedy tokens, with LoRA on every attention projection too; a layer whose
 span cannot stand for it (gradients recorded, a long prefill, a hook) makes its three calls, exact
@@ -95,6 +95,25 @@ def test_training_makes_the_layers_calls_and_inference_after_it_is_exact():
                 got = virt(input_ids=x).logits
             assert torch.equal(got, ref(input_ids=x).logits)
         assert calls.spans() == LAYERS - 1  # (the step changed a norm span 0 computes: it is off; span 1 is on)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_unsplit_gradients(reentrant):
+    """Reentrant checkpointing runs each layer's first forward under no_grad: those forwards make
+    one span call a layer, the recomputation under grad their own calls; the adapters' gradients
+    are the unsplit model's either way."""
+    from tests.models import enable_checkpointing
+
+    x = ids(2, 9)
+    with running_executor("tiny-llama") as ex:
+        ref, virt = lora_everywhere("tiny-llama"), virtualize(lora_everywhere("tiny-llama"), ex.url)
+        for m in (ref, virt):
+            enable_checkpointing(m, reentrant)
+        ref(input_ids=x, labels=x).loss.backward()
+        with Calls(ex.url) as calls:
+            virt(input_ids=x, labels=x).loss.backward()
+        assert calls.spans() == (LAYERS if reentrant else 0), calls.by_unit
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
 
 
 def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
@@ -270,8 +289,10 @@ def test_threads_sharing_a_model_each_get_their_own_spans():
         assert not bad and calls.spans() == 2 * 20 * LAYERS, (bad, calls.by_unit)
 
 
-def test_without_the_flag_no_spans_are_served():
+def test_spans_are_served_by_default_and_not_with_no_layer_spans():
     with running_executor("tiny-llama") as ex, connect(ex.url) as conn:
+        assert len([u for u in conn.catalog().units if u.kind == "span"]) == LAYERS
+    with running_executor("tiny-llama", "--no-layer-spans") as ex, connect(ex.url) as conn:
         assert not [u for u in conn.catalog().units if u.kind == "span"]
 
 

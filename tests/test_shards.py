@@ -271,8 +271,9 @@ def test_a_lazy_builtin_is_drawn_only_where_served(world):
         _lora_steps_match(name, ex.url)
         # every rank logs how many units it drew (ranks 1.. into rank 0's output): each unit on one rank
         drawn = [int(line.split("drew the weights of ")[1].split()[0]) for line in ex.log().splitlines() if "drew the weights of" in line]
-        members = {m for u in catalog.units if u.kind != "mlp" for m in u.members}  # (a group's; an MLP unit's are units)
-        total = sum(1 for u in catalog.units if u.kind != "mlp" and u.id not in members)
+        # (a group's members; an MLP unit's and a layer span's are units and draw nothing of their own)
+        members = {m for u in catalog.units if u.kind not in ("mlp", "span") for m in u.members}
+        total = sum(1 for u in catalog.units if u.kind not in ("mlp", "span") and u.id not in members)
         assert len(drawn) == world and sum(drawn) == total and all(0 < n < total or world == 1 for n in drawn), (drawn, total)
 
 

@@ -95,7 +95,7 @@ def test_mlp_unit_checks_its_calls(executor):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma2", "tiny-phi3"])
 def test_three_calls_per_layer_same_logits(executor_for, name):
-    ex = executor_for(name)
+    ex = executor_for(name, "--no-layer-spans")  # (with layer spans a layer makes one call: test_layer_span.py)
     ref = build_builtin(name)
     virt = virtualize(build_builtin(name), ex.url)
     x = ids(2, 17)
@@ -165,7 +165,8 @@ def test_adapter_added_later_and_disabled(executor):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing(executor, reentrant):
+def test_gradient_checkpointing(unit_calls_executor, reentrant):
+    executor = unit_calls_executor  # (reentrant checkpointing's first forward is under no_grad: spans there)
     models = [lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)]
     x = ids(2, 11, seed=8)
     for m in models:
@@ -177,7 +178,8 @@ def test_gradient_checkpointing(executor, reentrant):
     assert_grads_close(lora_grads(models[0]), lora_grads(models[1]))
 
 
-def test_generate_and_off_switch(executor):
+def test_generate_and_off_switch(unit_calls_executor):
+    executor = unit_calls_executor
     ref = build_builtin("tiny-llama")
     prompt = ids(1, 6, seed=3)
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -190,9 +192,10 @@ def test_generate_and_off_switch(executor):
         assert count.of(GATE_UP) == (0 if whole else 10 * LAYERS) and count.of(QKV) == 10 * LAYERS, count.calls
 
 
-def test_hooks_and_a_new_activation_call_per_linear(executor):
+def test_hooks_and_a_new_activation_call_per_linear(unit_calls_executor):
     """What the block's own forward would run and a whole call would skip: a hook on one of its
     Linears, or an activation other than the one the executor probed."""
+    executor = unit_calls_executor
     ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
     x = ids(1, 7)
     seen = []

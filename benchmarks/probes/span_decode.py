@@ -53,7 +53,7 @@ def main() -> int:
 
     procs, models = [], {"unsplit": make()}
     try:
-        for name, extra in (("calls", ()), ("spans", ("--layer-spans",))):
+        for name, extra in (("calls", ("--no-layer-spans",)), ("spans", ("--layer-spans",))):
             url = f"local://span-decode-{os.getpid()}-{name}"
             procs.append(start_executor(a.model, url, "PASSIVE", (*served, *extra)))
             models[name] = make(url)
