@@ -1,7 +1,8 @@
 . benchmarks/gpu_host_setup.sh; export PYTHONFAULTHANDLER=1
+tails() { for f in $1/executor*.log; do echo "== $f"; grep -v "^  File" $f | grep -v "mailboxes of process" | tail -8; done; }
 cd benchmarks
-timeout -s INT 240 python3 s1_split_tax.py --model llama-1b --steps 8 --new-tokens 32 --scenarios decode --compare-layer-spans --out /tmp/s1 > $OUT/s1.log 2>&1; echo rc=$? >> $OUT/s1.log
-cp /tmp/s1/*.json $OUT/ 2>/dev/null
+timeout -s INT 470 python3 s3_inference.py --model llama-1b --ns 1,16 --max-processes 16 --mixed none --seconds 8 --executors "default=;spans=--layer-spans" --tag s39 --out /tmp/s3 > $OUT/s3.log 2>&1; echo rc=$? >> $OUT/s3.log
+cp /tmp/s3/*.json $OUT/ 2>/dev/null; tails /tmp/s3 > $OUT/s3_executor_tails.log 2>&1
 cd ..
-OMP_WAIT_POLICY=PASSIVE timeout -s INT 200 python benchmarks/probes/mask_against.py --against noise-ahead --against-file benchmarks/probes/privacy_ahead.py --device cuda:0 --tokens 1,16,64 > $OUT/mask.log 2>&1; echo rc=$? >> $OUT/mask.log
+timeout -s INT 100 python -m pytest -m gpu -v tests/test_gpu.py -k "held_behind or taken_before_its_input" > $OUT/gpu_tests.log 2>&1; echo rc=$? >> $OUT/gpu_tests.log
 echo quit | nvidia-cuda-mps-control
