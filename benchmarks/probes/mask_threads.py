@@ -52,9 +52,20 @@ def main() -> int:
             mask.call(unit, x, pb.FORWARD, send)
             return work()
 
+        def masked():
+            return mask.call(unit, x, pb.FORWARD, send)
+
+        def toggled_then_work():  # (what the one-thread masking does to the thread count, nothing else)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
+            return work()
+
         row = {}
         for name, fn, limit in (("work alone", work, one_thread), ("masked (one thread), then work", masked_then_work, one_thread),
-                                ("masked (all threads), then work", masked_then_work, 0)):
+                                ("masked (all threads), then work", masked_then_work, 0),
+                                ("masked alone (one thread)", masked, one_thread), ("masked alone (all threads)", masked, 0),
+                                ("thread count changed, then work", toggled_then_work, one_thread)):
             privacy.ONE_THREAD_MAX = limit
             for _ in range(200):
                 fn()
