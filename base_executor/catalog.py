@@ -212,9 +212,10 @@ class UnitTable:
 
     def add_spans(self, model: nn.Module) -> int:
         """A span unit (proto/layer_span.py) for each decoder layer whose o_proj is a Linear unit,
-        whose MLP is an MLP unit and whose norms are of a known class, and, but for the last layer
-        of its list, whose next layer's q/k/v are a group unit. Its members: o_proj, the MLP unit
-        and that group; it keeps copies of the two norms (its own weights). Returns how many."""
+        whose MLP is an MLP unit and whose norms are of a known class that layer_span.norm computes
+        bitwise, and, but for the last layer of its list, whose next layer's q/k/v are a group unit.
+        Its members: o_proj, the MLP unit and that group; it keeps copies of the two norms (for
+        their epsilons: the weights come with each call). Returns how many."""
         n = 0
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         paths = {id(m): p for p, m in model.named_modules()}
@@ -236,7 +237,8 @@ class UnitTable:
                         continue
                     norms.append(getattr(layers[i + 1], layer_span.INPUT_NORM, None))
                     members.append(qkv)
-                if not all(layer_span.own(m, layer_span.NORMS) and not any(p.is_meta for p in m.parameters()) for m in norms):
+                if not all(layer_span.own(m, layer_span.NORMS) and not any(p.is_meta for p in m.parameters())
+                           and layer_span.norm_matches(m, o.weight.dtype) for m in norms):
                     continue
                 d_in, d_out, _ = layer_span.widths(o.out_features, o.in_features, members[2].out_features if len(members) > 2 else 0)
                 self.units[layer_span.span_id(path)] = Unit(

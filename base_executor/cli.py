@@ -475,8 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layer-spans", action=argparse.BooleanOptionalAction, default=None, help="serve each Llama-type "
                    "decoder layer's span from its attention output to the next layer's q/k/v as one unit as well: a "
                    "decoding tenant makes one call a layer instead of three (proto/layer_span.py; inference calls only). "
-                   "Off by default: a span computes with the executor's copies of the norms, and a tenant's norms "
-                   "changed through .data are not seen (docs/design.md); not over several devices")
+                   "Off by default until its GPU tests run again (docs/design.md); not over several devices")
     s.add_argument("--no-fused-act", action="store_true", help="GPU: gated MLP units compute silu(gate) * up with "
                    "torch's two kernels instead of one fused kernel (bitwise the same; for comparisons)")
     s.add_argument("--graph-tokens", type=int, default=2048, help="same GPU: a call of at most this many tokens runs "

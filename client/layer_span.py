@@ -13,12 +13,12 @@ from the span's one call, while the layer's own forward (transformers' code) run
 3. the post-attention norm gives n2 and the MLP block m; the layer adds its residuals itself;
 4. the layer hands n1 and the next q/k/v on to the next layer, for its output h2 exactly.
 
-The span computes with the executor's copies of the norms: a tenant's span is used only while its
-norms hold the served weights (checked at virtualize against the unit's fingerprint, and after by
-the weights' version counters). A layer runs its own way (three calls) whenever a span cannot stand
-for it: gradients recorded (a span keeps nothing for backward), torch.compile tracing, more than
-SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on o_proj (and q, k, v), a hook on
-any of its parts or the next layer's, changed norms, or a masked tenant. What the parts hand each
+The span's call carries the weights of the tenant's two norms as they are at that call (trained,
+changed in place or not), and the executor computes the norms with them: a tenant's span needs
+only norms of the served epsilon, in the served dtype. A layer runs its own way (three calls)
+whenever a span cannot stand for it: gradients recorded (a span keeps nothing for backward),
+torch.compile tracing, more than SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on
+o_proj (and q, k, v), a hook on any of its parts or the next layer's, or a masked tenant. What the parts hand each
 other is the calling thread's: threads sharing a model each get their own.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class SpanUnit(UnitRef):
         self.layer, self.o_shim, self.next, self.group = layer, o_shim, nxt, group  # (the next layer, its q/k/v group: None for the last)
         self.pieces = pieces[:4] + (list(group.sizes) if group is not None else [])  # [o, n2, m, n1, q, k, v]
         self.norms = (getattr(layer, layer_span.POST_NORM),) + ((getattr(nxt, layer_span.INPUT_NORM),) if nxt is not None else ())
-        self.weights = [(n.weight, n.weight._version) for n in self.norms]  # (the served norms', as checked at virtualize)
+        self.eps = [n.variance_epsilon for n in self.norms]  # (the served ones, as checked at virtualize)
         self.enabled, self.wasted = True, 0
         self._now = _Now()
         self._register()
@@ -81,8 +81,9 @@ class SpanUnit(UnitRef):
             parts += [self.next, nattn, self.norms[1], amods.get("q_proj"), amods.get("k_proj"), amods.get("v_proj")]
         if any(m is None or _hooked(m) for m in parts):
             return False
-        for n, (w, v) in zip(self.norms, self.weights):
-            if n._parameters.get("weight") is not w or w._version != v:
+        for n, eps in zip(self.norms, self.eps):  # (their weights go with the call: any values, of the served dtype)
+            w = n._parameters.get("weight")
+            if w is None or w.dtype != self._dtype or w.shape != h.shape[-1:] or w.device != h.device or n.__dict__.get("variance_epsilon") != eps:
                 return False
         o_proj = attn._modules.get("o_proj")  # (any hook of it would see zeros, or change only the delta)
         return (mlp._whole.serves(mlp, h) and _plain_or_lora(o_proj, self.o_shim) and not _any_hook(o_proj)
@@ -134,7 +135,8 @@ class SpanUnit(UnitRef):
             pieces = (torch.zeros(rows.shape[0], 3 * rows.shape[1], dtype=self._dtype, device=rows.device),)
         else:
             pieces = layer_span.split_delta(d.reshape(-1, d.shape[-1]), self._dtype)
-        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, *pieces], dim=-1)
+        weights = [n._parameters["weight"].detach().expand(rows.shape) for n in self.norms]  # (each row its own copy)
+        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, *pieces, *weights], dim=-1)
 
         def take_pieces(y):
             return [p.reshape(*lead, p.shape[-1]).clone(memory_format=torch.contiguous_format)
@@ -237,9 +239,8 @@ def _base(module):
 
 
 def _norm(module) -> bool:
-    """A norm of a known class (made a VirtNorm already, as the next layer's of another span) whose
-    weight is loaded (a model virtualized on the meta device serves its layers unit by unit)."""
-    return layer_span.own(module, layer_span.NORMS) and not module.weight.is_meta
+    """A norm of a known class (made a VirtNorm already, as the next layer's of another span)."""
+    return layer_span.own(module, layer_span.NORMS)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -258,9 +259,9 @@ def _subclass(module: nn.Module, mixin: type) -> None:
 
 def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -> int:
     """Makes each decoder layer the executor serves a span for call it (module docstring), where
-    the tenant's layer is of a known class with its o_proj shim, a whole-MLP block, norms that
-    hold the served weights (the unit's fingerprint names them) and, but for the last layer, a
-    fused q/k/v group in the next layer. Returns how many layers do."""
+    the tenant's layer is of a known class with its o_proj shim, a whole-MLP block, norms of the
+    served epsilons (the unit's fingerprint names them; their weights go with each call) and, but
+    for the last layer, a fused q/k/v group in the next layer. Returns how many layers do."""
     by_unit = {g.unit_id: g for g in groups}
     paths = {id(m): p for p, m in root.named_modules()}
     n = 0
@@ -288,8 +289,8 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
                 continue
         _, d_out, pieces = layer_span.widths(o_shim._d_out, o_shim._d_in, group._d_out if group else 0)
         norms = [getattr(layer, layer_span.POST_NORM)] + ([getattr(nxt, layer_span.INPUT_NORM)] if nxt is not None else [])
-        if d_out != unit.out_features or paths.get(id(layer)) != path or layer_span.norms_print(norms) not in unit.fingerprint:
-            continue  # (norms of other weights than the served ones: the layer calls its units)
+        if d_out != unit.out_features or paths.get(id(layer)) != path or not unit.fingerprint.endswith("|" + layer_span.norms_print(norms)):
+            continue  # (norms of other epsilons than the served ones: the layer calls its units)
         span = SpanUnit(unit, layer, o_shim, pieces, nxt, group)
         _subclass(layer, VirtSpanDecoder)
         _subclass(attn, VirtSpanAttention)

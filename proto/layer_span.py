@@ -1,11 +1,14 @@
 """What both sides take for a layer span: one call from a decoder layer's attention output to the
 next layer's q/k/v, served by `base-executor serve --layer-spans`.
 
-A span of layer i takes [a, r, d1, d2, d3] per token: the attention output a (o_proj's input),
-the layer's residual r (its input) and d, what the tenant's own o_proj adapter adds (zeros without
-one), in float32 as three pieces of the served dtype whose float32 sum is d (split_delta: PEFT adds
-a float32 adapter's delta to the base output before rounding once). It computes, with the layer's
-own modules,
+A span of layer i takes [a, r, d1, d2, d3, w2, w1] per token: the attention output a (o_proj's
+input), the layer's residual r (its input), d, what the tenant's own o_proj adapter adds (zeros
+without one), in float32 as three pieces of the served dtype whose float32 sum is d (split_delta:
+PEFT adds a float32 adapter's delta to the base output before rounding once), and the weights of
+the tenant's two norms as they are now (w2 its post-attention norm's, w1 the next layer's input
+norm's; the last layer's span takes w2 alone). So the executor computes the norms with the
+tenant's own weights, whatever they are (trained, or changed in place), each row with its own.
+It computes, with the layer's own modules (the norms with the weights carried),
 
     o = (o_proj(a) + d in float32, rounded);  h = r + o;  n2 = post_attention_layernorm(h);  m = mlp(n2);  h2 = h + m
     n1 = next input_layernorm(h2);  qkv = next layer's q/k/v group(n1)      (not for the last layer)
@@ -16,7 +19,7 @@ the next layer: one call a layer instead of three (q/k/v, o_proj, the MLP), and 
 the executor. Decoder layers of these classes only (their own forward, Llama's order of ops)."""
 from __future__ import annotations
 
-from symbiont.proto.fingerprint import fingerprint
+import torch
 
 DECODERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")  # (o_proj is the last thing they do)
@@ -44,14 +47,39 @@ def widths(hidden: int, attn: int, qkv: int) -> tuple[int, int, list[int]]:
     """A span's input width, output width and the widths of its output's pieces [o, n2, m, n1,
     qkv] (the last layer's: [o, n2, m]); attn: o_proj's input width, qkv: 0 for the last layer."""
     pieces = [hidden, hidden, hidden] + ([hidden, qkv] if qkv else [])
-    return attn + 4 * hidden, sum(pieces), pieces
+    return attn + 4 * hidden + (2 if qkv else 1) * hidden, sum(pieces), pieces
 
 
 def norms_print(norms) -> str:
     """What a span unit's fingerprint says of the norms it computes with (the post-attention norm,
-    then the next layer's input norm): their weights' fingerprints and epsilons. A tenant's span
-    stands for its layer only where its own norms print the same."""
-    return "norms:" + ",".join(f"{fingerprint(n.weight.detach())}@{n.variance_epsilon!r}" for n in norms)
+    then the next layer's input norm): their classes and epsilons (their weights come with each
+    call). A tenant's span stands for its layer only where its own norms print the same."""
+    return "norms:" + ",".join(f"{n.variance_epsilon!r}" for n in norms)
+
+
+def norm(module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMS norm of x's rows as `module` (one of NORMS) computes it, with `weight` in place of its
+    own: one weight row per row of x (the tenant's, carried by the call). The same ops as those
+    classes' forward; the executor serves a span only where norm_matches says so."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return weight * h.to(x.dtype)
+
+
+def norm_matches(module, dtype: torch.dtype, device=None) -> bool:
+    """Whether norm() is bitwise `module`'s own forward in `dtype` (a probe of random rows and
+    weights, the module's weight set to them: a transformers version whose norm computes otherwise
+    gets no spans)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(module).to(device=device, dtype=dtype).requires_grad_(False)
+    width = probe.weight.shape[-1]
+    x = (3 * torch.randn(8, width, generator=gen)).to(device=device, dtype=dtype)
+    w = torch.randn(width, generator=gen).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        probe.weight.copy_(w)
+        return torch.equal(probe(x), norm(probe, x, w.expand(8, width)))
 
 
 def split_delta(d, dtype):

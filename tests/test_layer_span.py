@@ -94,7 +94,7 @@ def test_training_makes_the_layers_calls_and_inference_after_it_is_exact():
             with Calls(ex.url) as calls:
                 got = virt(input_ids=x).logits
             assert torch.equal(got, ref(input_ids=x).logits)
-        assert calls.spans() == LAYERS - 1  # (the step changed a norm span 0 computes: it is off; span 1 is on)
+        assert calls.spans() == LAYERS  # (the step changed a norm span 0 computes: its call carries it)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -139,13 +139,15 @@ def test_a_layer_a_span_cannot_stand_for_makes_its_own_calls():
         assert calls.spans() == 0, calls.by_unit
 
 
-def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
+def test_hooks_and_wrapped_norms_turn_a_span_off_changed_norms_do_not_and_all_stay_exact():
     """Under torch.inference_mode (whose tensors keep no version counter): an in-place forward
-    hook on a layer, an in-place pre-hook on an MLP block, one on o_proj, norms whose weights changed after
-    virtualize, a model whose norms are not the served ones, and a norm PEFT wraps to train it
-    (modules_to_save, applied after virtualize): each layer concerned makes its own calls, and the
-    logits are the unsplit model's with the same change. transformers' output recorders (installed
-    by one output_hidden_states=True) leave the spans on."""
+    hook on a layer, an in-place pre-hook on an MLP block, one on o_proj, and a norm PEFT wraps to
+    train it (modules_to_save, applied after virtualize): each layer concerned makes its own calls.
+    Norms whose weights changed after virtualize (in place, through .data, by
+    vector_to_parameters) and a model whose norms are not the served ones keep their spans: the
+    calls carry the norms' weights as they are. The logits are the unsplit model's with the same
+    change. transformers' output recorders (installed by one output_hidden_states=True) leave the
+    spans on."""
     from peft import LoraConfig, get_peft_model
 
     name, x = "tiny-llama", ids(1, 6)
@@ -174,16 +176,24 @@ def test_hooks_changed_norms_and_wrapped_norms_turn_a_span_off_and_stay_exact():
         check(ref, virt, 1)
 
         ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        check(ref, virt, LAYERS)
         with torch.no_grad():
             for m in (ref, virt):
-                m.model.layers[1].input_layernorm.weight.mul_(1.5)  # (span 0 computes it; span 1 does not)
-        check(ref, virt, 1)
+                m.model.layers[1].input_layernorm.weight.mul_(1.5)  # (span 0 computes it)
+        check(ref, virt, LAYERS)
+        for m in (ref, virt):  # (no version counter moves: a check of versions would miss these)
+            m.model.layers[0].post_attention_layernorm.weight.data.mul_(2)
+        check(ref, virt, LAYERS)
+        for m in (ref, virt):
+            norms = [m.model.layers[i].post_attention_layernorm.weight for i in range(LAYERS)]
+            torch.nn.utils.vector_to_parameters(torch.linspace(0.5, 1.5, 64 * LAYERS), norms)
+        check(ref, virt, LAYERS)
 
         changed = build_builtin(name)
         with torch.no_grad():
             changed.model.layers[0].post_attention_layernorm.weight.add_(0.25)
         ref, virt = copy.deepcopy(changed), virtualize(changed, ex.url)
-        check(ref, virt, 1)
+        check(ref, virt, LAYERS)
 
         config = lambda: LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],  # noqa: E731
                                     modules_to_save=["post_attention_layernorm"])
@@ -295,9 +305,8 @@ def test_without_the_flag_no_spans_are_served():
 
 
 def test_a_model_built_from_the_skeleton_serves_spans():
-    """connect(url).model(): the norms are loaded before virtualize reads them, so the skeleton's
-    model makes one call a layer too (and a model whose norms are still on the meta device makes
-    its layers' own calls instead of failing)."""
+    """connect(url).model() makes one call a layer too; so does a model virtualized on the meta
+    device whose norms are loaded after (the calls carry the norms' weights as they are then)."""
     x = ids(1, 7)
     with running_executor("tiny-llama", "--layer-spans") as ex, connect(ex.url) as conn:
         ref = build_builtin("tiny-llama")
@@ -308,5 +317,13 @@ def test_a_model_built_from_the_skeleton_serves_spans():
         assert torch.equal(got, ref(input_ids=x).logits)
         with torch.device("meta"):
             empty = build_builtin("tiny-llama")
+        empty.config._attn_implementation = "eager"
         virtualize(empty, ex.url)
-        assert not [m for m in empty.modules() if getattr(m, "_span", None) is not None]
+        from safetensors.torch import load
+
+        empty.load_state_dict(load(conn.skeleton().weights), strict=False, assign=True)
+        empty.model.rotary_emb.inv_freq = ref.model.rotary_emb.inv_freq.clone()  # (a buffer made on meta)
+        empty.model.rotary_emb.original_inv_freq = ref.model.rotary_emb.original_inv_freq.clone()
+        with Calls(ex.url) as calls, torch.no_grad():
+            assert torch.equal(empty(input_ids=x).logits, got)
+        assert calls.spans() == LAYERS, calls.by_unit
