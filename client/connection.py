@@ -217,7 +217,7 @@ class Connection:
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
         # the non-unit weights first, one tensor at a time (what the device holds at most is them):
-        # virtualize reads the norms (a layer span serves the layers whose norms are the served ones)
+        # virtualize then sees the model as the tenant will use it
         state = load(self.skeleton().weights)
         model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
         virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter)

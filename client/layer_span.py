@@ -79,13 +79,15 @@ class SpanUnit(UnitRef):
                 return False
             amods = nattn._modules
             parts += [self.next, nattn, self.norms[1], amods.get("q_proj"), amods.get("k_proj"), amods.get("v_proj")]
-        if any(m is None or _hooked(m) for m in parts):
+        o_proj = attn._modules.get("o_proj")
+        parts.append(o_proj)
+        if any(m is None or _hooked(m) or "forward" in m.__dict__ for m in parts):  # (a forward set on the instance: its own)
             return False
         for n, eps in zip(self.norms, self.eps):  # (their weights go with the call: any values, of the served dtype)
             w = n._parameters.get("weight")
             if w is None or w.dtype != self._dtype or w.shape != h.shape[-1:] or w.device != h.device or n.__dict__.get("variance_epsilon") != eps:
                 return False
-        o_proj = attn._modules.get("o_proj")  # (any hook of it would see zeros, or change only the delta)
+        # (o_proj: any hook of it would see zeros, or change only the delta)
         return (mlp._whole.serves(mlp, h) and _plain_or_lora(o_proj, self.o_shim) and not _any_hook(o_proj)
                 and not _any_hook(self.o_shim) and (self.group is None or self.group.enabled) and not _global_hooks())
 

@@ -195,6 +195,12 @@ def test_hooks_and_wrapped_norms_turn_a_span_off_changed_norms_do_not_and_all_st
         ref, virt = copy.deepcopy(changed), virtualize(changed, ex.url)
         check(ref, virt, LAYERS)
 
+        ref, virt = build_builtin(name), virtualize(build_builtin(name), ex.url)
+        for m in (ref, virt):  # (a forward set on an instance, as kernel libraries patch norms: the layer's own calls)
+            norm = m.model.layers[0].post_attention_layernorm
+            norm.forward = lambda x, norm=norm: type(norm).forward(norm, x) * 1.25
+        check(ref, virt, 1)
+
         config = lambda: LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],  # noqa: E731
                                     modules_to_save=["post_attention_layernorm"])
         with torch.random.fork_rng(devices=[]):
@@ -216,7 +222,12 @@ def test_bfloat16_with_a_float32_lora_on_o_proj_is_bitwise():
     def make():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(3)
-            return get_peft_model(build_builtin(name, torch.bfloat16), LoraConfig(
+            model = build_builtin(name, torch.bfloat16)
+            with torch.no_grad():  # (norms of the tenant's own, carried by the calls in bfloat16)
+                for layer in model.model.layers:
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm):
+                        n.weight.copy_(1 + 0.5 * torch.randn(n.weight.shape))
+            return get_peft_model(model, LoraConfig(
                 r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
     with running_executor(name, "--layer-spans", "--dtype", "bfloat16") as ex:
@@ -327,3 +338,33 @@ def test_a_model_built_from_the_skeleton_serves_spans():
         with Calls(ex.url) as calls, torch.no_grad():
             assert torch.equal(empty(input_ids=x).logits, got)
         assert calls.spans() == LAYERS, calls.by_unit
+
+
+def test_the_executor_computes_norms_only_where_its_norm_is_the_modules_bitwise():
+    """layer_span.norm (what the executor computes a span's norms with, the tenant's weights one row
+    per token) is bitwise each known norm class's forward; a norm computing otherwise fails the
+    probe, and a layer with such a norm gets no span."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from symbiont.base_executor.catalog import UnitTable
+    from symbiont.proto import layer_span as proto_span
+
+    for dtype in (torch.float32, torch.bfloat16):
+        assert proto_span.norm_matches(LlamaRMSNorm(64, eps=1e-5), dtype)
+
+    class Otherwise(LlamaRMSNorm):  # (its weight multiplied in float32: not the same rounding in bfloat16)
+        def forward(self, x):
+            h = x.float()
+            return (self.weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+    # (a known class's name and forward's name: only the probe tells its forward from the known one)
+    Otherwise.__name__ = Otherwise.__qualname__ = "LlamaRMSNorm"
+    Otherwise.forward.__qualname__ = "LlamaRMSNorm.forward"
+    assert proto_span.own(Otherwise(64), proto_span.NORMS)
+    assert not proto_span.norm_matches(Otherwise(64), torch.bfloat16)
+    model = build_builtin("tiny-llama", torch.bfloat16)
+    table = UnitTable(model)
+    before = table.add_spans(model)
+    model.model.layers[0].post_attention_layernorm.__class__ = Otherwise
+    table = UnitTable(model)
+    assert before == LAYERS and table.add_spans(model) == LAYERS - 1
