@@ -23,6 +23,7 @@ other is the calling thread's: threads sharing a model each get their own.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -181,18 +182,14 @@ def _plain_or_lora(module, shim: VirtLayer) -> bool:
         shim._dtype in (torch.float32, torch.bfloat16) or all(module.lora_A[a].weight.dtype == shim._dtype for a in active))
 
 
-_LORA_LINEAR: list = []
-
-
+@functools.cache
 def _lora_linear():
     """PEFT's LoRA Linear class (None without PEFT), looked up once."""
-    if not _LORA_LINEAR:
-        try:
-            from peft.tuners.lora.layer import Linear
-        except ImportError:
-            Linear = None
-        _LORA_LINEAR.append(Linear)
-    return _LORA_LINEAR[0]
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
 
 
 # ---- the parts of a layer -----------------------------------------------------------
