@@ -144,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
         loaded.source.fingerprints(table, device)  # (under layer placement each rank its own units', below)
     if args.layer_spans and shard is not None:
         raise SystemExit("--layer-spans: not over several devices yet (a span reaches into the next layer)")
-    if args.layer_spans:
+    if args.layer_spans or (args.layer_spans is None and shard is None):  # (on by default but for a sharded executor)
         log.info("layer spans: %d decoder layers served as one call each from attention output to the next q/k/v",
                  table.add_spans(loaded.model))
     skeleton = cat.skeleton(loaded.model, table, dtype, loaded.tokenizer_files)
@@ -475,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layer-spans", action=argparse.BooleanOptionalAction, default=None, help="serve each Llama-type "
                    "decoder layer's span from its attention output to the next layer's q/k/v as one unit as well: a "
                    "decoding tenant makes one call a layer instead of three (proto/layer_span.py; inference calls only). "
-                   "Off by default until its GPU tests run again (docs/design.md); not over several devices")
+                   "On by default but over several devices, where it is refused")
     s.add_argument("--no-fused-act", action="store_true", help="GPU: gated MLP units compute silu(gate) * up with "
                    "torch's two kernels instead of one fused kernel (bitwise the same; for comparisons)")
     s.add_argument("--graph-tokens", type=int, default=2048, help="same GPU: a call of at most this many tokens runs "

@@ -75,16 +75,16 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--grpc", action="store_true", help="also tenants over loopback gRPC, plaintext and mutual TLS")
-    p.add_argument("--layer-spans", action="store_true", help="also a tenant of an executor serving layer spans "
-                   "(serve --layer-spans: one call a decoder layer while decoding), beside the default's, in every round")
+    p.add_argument("--unit-calls", action="store_true", help="also a tenant of an executor serving without layer "
+                   "spans (serve --no-layer-spans: three calls a decoder layer), beside the default's, in every round")
     p.add_argument("--rounds", type=int, default=1, help="every row this many times, each round in another order")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count())
     x = torch.randint(1, 200, (1, a.tokens), generator=torch.Generator().manual_seed(0))
 
     ways = {"unsplit HF + PEFT": None, **{f"symbiont, executor OMP {p}": (p, ()) for p in ("PASSIVE", "ACTIVE")}}
-    if a.layer_spans:
-        ways["symbiont, layer spans (OMP PASSIVE)"] = ("PASSIVE", ("--layer-spans",))
+    if a.unit_calls:
+        ways["symbiont, no layer spans (OMP PASSIVE)"] = ("PASSIVE", ("--no-layer-spans",))
     runs: dict[str, list[dict]] = {name: [] for name in ways}
     for r in range(a.rounds):  # (each round in another order: a fixed order favours some)
         names = list(ways)

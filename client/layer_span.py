@@ -1,6 +1,6 @@
 """Layer spans: one remote call per decoder layer while a tenant decodes (proto/layer_span.py).
 
-An executor started with `--layer-spans` advertises a span unit per Llama-type decoder layer: from
+An executor (unless started with `--no-layer-spans`) advertises a span unit per Llama-type decoder layer: from
 the layer's attention output to the next layer's q/k/v. virtualize() makes the layer, its
 attention, its two norms and its MLP block instances of subclasses whose forward takes their part
 from the span's one call, while the layer's own forward (transformers' code) runs as it is:

@@ -1,5 +1,5 @@
 """What both sides take for a layer span: one call from a decoder layer's attention output to the
-next layer's q/k/v, served by `base-executor serve --layer-spans`.
+next layer's q/k/v, served by `base-executor serve` (unless `--no-layer-spans`).
 
 A span of layer i takes [a, r, d1, d2, d3, w2, w1] per token: the attention output a (o_proj's
 input), the layer's residual r (its input), d, what the tenant's own o_proj adapter adds (zeros

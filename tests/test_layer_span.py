@@ -1,4 +1,4 @@
-"""Layer spans (`serve --layer-spans`, client/layer_span.py): a decoding tenant makes one call per
+"""Layer spans (`serve`, on by default; client/layer_span.py): a decoding tenant makes one call per
 decoder layer, from its attention output to the next layer's q/k/v, and gets bitwise the unsplit
 model's logits and greedy tokens, with LoRA on every attention projection too; a layer whose
 span cannot stand for it (gradients recorded, a long prefill, a hook) makes its three calls, exact
@@ -310,8 +310,10 @@ def test_threads_sharing_a_model_each_get_their_own_spans():
         assert not bad and calls.spans() == 2 * 20 * LAYERS, (bad, calls.by_unit)
 
 
-def test_without_the_flag_no_spans_are_served():
+def test_spans_are_served_by_default_and_not_with_no_layer_spans():
     with running_executor("tiny-llama") as ex, connect(ex.url) as conn:
+        assert len([u for u in conn.catalog().units if u.kind == "span"]) == LAYERS
+    with running_executor("tiny-llama", "--no-layer-spans") as ex, connect(ex.url) as conn:
         assert not [u for u in conn.catalog().units if u.kind == "span"]
 
 
