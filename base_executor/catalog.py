@@ -240,7 +240,7 @@ class UnitTable:
                 if not all(layer_span.own(m, layer_span.NORMS) and not any(p.is_meta for p in m.parameters())
                            and layer_span.norm_matches(m, o.weight.dtype) for m in norms):
                     continue
-                d_in, d_out, _ = layer_span.widths(o.out_features, o.in_features, members[2].out_features if len(members) > 2 else 0)
+                d_in, d_out, _ = layer_span.widths(o.out_features, o.in_features, members[2].out_features if len(members) > 2 else 0, o.weight.dtype)
                 self.units[layer_span.span_id(path)] = Unit(
                     id=layer_span.span_id(path), kind=SPAN, weight=None, bias=None, in_features=d_in, out_features=d_out,
                     members=tuple(members), norms=tuple(copy.deepcopy(m).requires_grad_(False) for m in norms),

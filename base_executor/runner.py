@@ -105,20 +105,20 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
 
 
 def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
-    """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d1, d2, d3, w2, w1] per token,
+    """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d, w2, w1] per token (d float32, its bits),
     out [o, n2, m, n1, qkv], each piece with the ops the tenant's layer would run (so, at one call
     a batch, bitwise what its own layer gives), the norms with the tenant's weights w2, w1."""
-    from symbiont.proto.layer_span import join_delta, norm
+    from symbiont.proto.layer_span import delta_of, delta_width, norm
 
     o_proj, mlp, *qkv = unit.members
     hidden = o_proj.out_features
-    a, r, d1, d2, d3, *w = x.split([o_proj.in_features] + [hidden] * (4 + len(unit.norms)), dim=-1)
+    a, r, d, *w = x.split([o_proj.in_features, hidden, delta_width(hidden, x.dtype)] + [hidden] * len(unit.norms), dim=-1)
     pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
     y = torch.empty(x.shape[0], sum(pieces), dtype=x.dtype, device=x.device) if out is None else out
     o, n2, m, *nxt = y.split(pieces, dim=-1)
     # a tenant's o_proj adapter adds its float32 delta to the base output as PEFT does, one
     # rounding (a served-dtype adapter's delta the same: its add's math is float32 too)
-    o.copy_(run(o_proj, pb.FORWARD, a.contiguous(), exact).float() + join_delta(d1, d2, d3))
+    o.copy_(run(o_proj, pb.FORWARD, a.contiguous(), exact).float() + delta_of(d))
     h = r + o
     n2.copy_(norm(unit.norms[0], h, w[0]))
     m.copy_(run(mlp, pb.FORWARD, n2.contiguous(), exact))

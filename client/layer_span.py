@@ -135,15 +135,17 @@ class SpanUnit(UnitRef):
         a = seen[0]
         lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
         if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)
-            pieces = (torch.zeros(rows.shape[0], 3 * rows.shape[1], dtype=self._dtype, device=rows.device),)
+            bits = torch.zeros(rows.shape[0], layer_span.delta_width(rows.shape[1], self._dtype), dtype=self._dtype, device=rows.device)
         else:
-            pieces = layer_span.split_delta(d.reshape(-1, d.shape[-1]), self._dtype)
+            bits = layer_span.delta_bits(d.reshape(-1, d.shape[-1]), self._dtype)
         weights = [n._parameters["weight"].detach().expand(rows.shape) for n in self.norms]  # (each row its own copy)
-        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, *pieces, *weights], dim=-1)
+        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, bits, *weights], dim=-1)
 
         def take_pieces(y):
-            return [p.reshape(*lead, p.shape[-1]).clone(memory_format=torch.contiguous_format)
-                    for p in y.reshape(-1, y.shape[-1]).split(self.pieces, dim=-1)]
+            y = y.reshape(-1, y.shape[-1])
+            if y.shape[0] == 1:  # (one token: one copy out of the mailbox, its pieces contiguous views of it)
+                return [p.view(*lead, p.shape[-1]) for p in y.clone().split(self.pieces, dim=-1)]
+            return [p.reshape(*lead, p.shape[-1]).clone(memory_format=torch.contiguous_format) for p in y.split(self.pieces, dim=-1)]
 
         o, n2, m, *carry = self._remote(x, pb.FORWARD, take_pieces)
         gives = HANDED.gives
@@ -286,9 +288,9 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
                 continue
             if group is None or not _norm(getattr(nxt, layer_span.INPUT_NORM, None)):
                 continue
-        _, d_out, pieces = layer_span.widths(o_shim._d_out, o_shim._d_in, group._d_out if group else 0)
+        d_in, d_out, pieces = layer_span.widths(o_shim._d_out, o_shim._d_in, group._d_out if group else 0, o_shim._dtype)
         norms = [getattr(layer, layer_span.POST_NORM)] + ([getattr(nxt, layer_span.INPUT_NORM)] if nxt is not None else [])
-        if d_out != unit.out_features or paths.get(id(layer)) != path or not unit.fingerprint.endswith("|" + layer_span.norms_print(norms)):
+        if d_in != unit.in_features or d_out != unit.out_features or paths.get(id(layer)) != path or not unit.fingerprint.endswith("|" + layer_span.norms_print(norms)):
             continue  # (norms of other epsilons than the served ones: the layer calls its units)
         span = SpanUnit(unit, layer, o_shim, pieces, nxt, group)
         _subclass(layer, VirtSpanDecoder)

@@ -1,10 +1,10 @@
 """What both sides take for a layer span: one call from a decoder layer's attention output to the
 next layer's q/k/v, served by `base-executor serve` (unless `--no-layer-spans`).
 
-A span of layer i takes [a, r, d1, d2, d3, w2, w1] per token: the attention output a (o_proj's
-input), the layer's residual r (its input), d, what the tenant's own o_proj adapter adds (zeros
-without one), in float32 as three pieces of the served dtype whose float32 sum is d (split_delta:
-PEFT adds a float32 adapter's delta to the base output before rounding once), and the weights of
+A span of layer i takes [a, r, d, w2, w1] per token: the attention output a (o_proj's input), the
+layer's residual r (its input), d, what the tenant's own o_proj adapter adds (zeros without one),
+in float32, its bits carried as columns of the served dtype (delta_bits: PEFT adds a float32
+adapter's delta to the base output before rounding once), and the weights of
 the tenant's two norms as they are now (w2 its post-attention norm's, w1 the next layer's input
 norm's; the last layer's span takes w2 alone). So the executor computes the norms with the
 tenant's own weights, whatever they are (trained, or changed in place), each row with its own.
@@ -43,11 +43,12 @@ def own(module, names: tuple[str, ...]) -> bool:
     return False
 
 
-def widths(hidden: int, attn: int, qkv: int) -> tuple[int, int, list[int]]:
+def widths(hidden: int, attn: int, qkv: int, dtype: torch.dtype) -> tuple[int, int, list[int]]:
     """A span's input width, output width and the widths of its output's pieces [o, n2, m, n1,
-    qkv] (the last layer's: [o, n2, m]); attn: o_proj's input width, qkv: 0 for the last layer."""
+    qkv] (the last layer's: [o, n2, m]); attn: o_proj's input width, qkv: 0 for the last layer,
+    dtype: the served one."""
     pieces = [hidden, hidden, hidden] + ([hidden, qkv] if qkv else [])
-    return attn + 4 * hidden + (2 if qkv else 1) * hidden, sum(pieces), pieces
+    return attn + hidden + delta_width(hidden, dtype) + (2 if qkv else 1) * hidden, sum(pieces), pieces
 
 
 def norms_print(norms) -> str:
@@ -82,15 +83,18 @@ def norm_matches(module, dtype: torch.dtype, device=None) -> bool:
         return torch.equal(probe(x), norm(probe, x, w.expand(8, width)))
 
 
-def split_delta(d, dtype):
-    """float32 d as three tensors of `dtype` (bfloat16 or float32) whose float32 sum, (d1 + d2) +
-    d3, is d exactly: each piece takes the next 8 (bfloat16) significant bits of what is left,
-    which float32 holds exactly (normal numbers; bfloat16 keeps float32's exponents)."""
-    d1 = d.to(dtype)
-    rest = d - d1.float()
-    d2 = rest.to(dtype)
-    return d1, d2, (rest - d2.float()).to(dtype)
+def delta_width(hidden: int, dtype: torch.dtype) -> int:
+    """How many columns of `dtype` carry a float32 delta `hidden` wide (delta_bits)."""
+    return hidden * 4 // dtype.itemsize
 
 
-def join_delta(d1, d2, d3):
-    return (d1.float() + d2.float()) + d3.float()
+def delta_bits(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 d [rows, hidden] as [rows, delta_width] of `dtype`: the same bytes, read as that
+    type (no arithmetic: every value comes back bit for bit, subnormals and NaNs too; the copies on
+    the way move bytes)."""
+    return d.contiguous().view(dtype)
+
+
+def delta_of(bits: torch.Tensor) -> torch.Tensor:
+    """The float32 d that delta_bits carried in `bits` (a column slice of a call's input)."""
+    return bits.contiguous().view(torch.float32)

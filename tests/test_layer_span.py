@@ -211,9 +211,30 @@ def test_hooks_and_wrapped_norms_turn_a_span_off_changed_norms_do_not_and_all_st
         check(ref, virt, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_delta_rides_bit_for_bit(dtype):
+    """A span's float32 delta goes as columns of the served dtype and comes back with every bit,
+    through the copies a call makes (the input's cat, a copy into a mailbox, the executor's split):
+    subnormals, signed zeros, infinities and NaNs with payloads too."""
+    from symbiont.proto.layer_span import delta_bits, delta_of, delta_width
+
+    hidden = 64
+    d = torch.randn(3, hidden, dtype=torch.float32)
+    raw = d.view(torch.int32)
+    raw[0, :6] = torch.tensor([1, -2**31, 0x7F800000, 0x7FC00001, 0x7F800001, 0x00000001 | 2**31 - 2**23], dtype=torch.int32)
+    raw[1, :hidden] = torch.randint(-2**31, 2**31 - 1, (hidden,), dtype=torch.int32)  # (any bit pattern)
+    bits = delta_bits(d, dtype)
+    assert bits.dtype == dtype and bits.shape == (3, delta_width(hidden, dtype))
+    others = torch.randn(3, 5, dtype=torch.float32).to(dtype)
+    x = torch.cat([others, bits, others], dim=-1)
+    box = torch.empty_like(x).copy_(x)
+    _, carried, _ = box.split([5, bits.shape[1], 5], dim=-1)
+    assert torch.equal(delta_of(carried).view(torch.int32), raw)
+
+
 def test_bfloat16_with_a_float32_lora_on_o_proj_is_bitwise():
     """PEFT keeps a bfloat16 model's LoRA weights in float32 and adds their delta to o_proj's output
-    before rounding once: the span carries the delta in float32 (three bfloat16 pieces) and does the
+    before rounding once: the span carries the delta in float32 (its bits in bfloat16 columns) and does the
     same, so the logits and greedy tokens are the unsplit model's bit for bit."""
     from peft import LoraConfig, get_peft_model
 
