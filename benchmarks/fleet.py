@@ -269,6 +269,16 @@ def py_spy(pid: int, seconds: float, path: pathlib.Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def wait_spy(spy: subprocess.Popen, seconds: float) -> None:
+    """Waits for a py_spy() sampler, killed after `seconds` more than its duration (a sampler of
+    the executor once never returned; what it wrote stays)."""
+    try:
+        spy.wait(timeout=seconds + 30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -152,7 +152,7 @@ def main() -> int:
                     break
                 after = [fleet.executor_stats(u) for u in rank_urls]
                 for spy in spies:
-                    spy.wait()
+                    fleet.wait_spy(spy, a.seconds)
                 for spy_who, spy_path in spy_paths:
                     from s6_profile import top_frames
 

@@ -78,7 +78,7 @@ def main() -> int:
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
                 for spy in spies:
-                    spy.wait()
+                    fleet.wait_spy(spy, a.seconds)
                     from s6_profile import top_frames
                     print(top_frames(spy_path, fleet.REPO), flush=True)
                 # the executor's memory is in `base` (started before the fleet): count it once

@@ -70,7 +70,7 @@ def main() -> int:
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)],
                                               a.seconds, on_go=on_go)
             for spy in spies:
-                spy.wait()
+                fleet.wait_spy(spy, a.seconds)
                 from s6_profile import top_frames
 
                 print("process 0:\n" + top_frames(spy_path, fleet.REPO), flush=True)
@@ -106,7 +106,7 @@ def main() -> int:
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go if a.py_spy == n else None)
                 after = fleet.executor_stats(url)
                 for spy in spies:
-                    spy.wait()
+                    fleet.wait_spy(spy, a.seconds)
                 if spies:
                     from s6_profile import top_frames
 
