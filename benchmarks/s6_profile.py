@@ -138,8 +138,10 @@ def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, withi
     if not path.exists():
         return "(no samples: is py-spy installed and allowed to ptrace?)"
     own, incl, total = collections.Counter(), collections.Counter(), 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # (a sampler killed mid-write can leave broken bytes)
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
         frames = [f.strip() for f in stack.split(";") if f.strip()]
         if not frames or (within and not any(within in f for f in frames)):
             continue
