@@ -50,26 +50,7 @@ def _host_provider_adapters(core, directory: str, log, sharded: bool = False) ->
     log.info("hosting %d adapters of the provider: %s", len(found), ", ".join(d.name for d in found))
 
 
-def _renice(by: int) -> None:
-    """Adds `by` to the nice value of every thread of this process (threads made later inherit
-    it from theirs): a negative `by` puts the executor ahead of its tenants' processes on a host
-    whose cores they keep busy; it needs root or CAP_SYS_NICE."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # (no /proc: this thread, and those made after it)
-        tids = [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
-        except PermissionError:
-            raise SystemExit(f"--nice {by}: not permitted here (a negative value needs root or CAP_SYS_NICE)") from None
-        except ProcessLookupError:  # (a thread that ended meanwhile)
-            pass
-
-
 def _serve(args: argparse.Namespace) -> int:
-    if args.nice:
-        _renice(args.nice)
     import torch
 
     from symbiont.base_executor import catalog as cat
@@ -486,9 +467,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "sharded under layer placement: on each host's first rank, the totals of that host's ranks")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
-    s.add_argument("--nice", type=int, default=0, help="add this to the executor's nice value as it starts: with "
-                   "more busy tenant processes than cores, a negative one (root or CAP_SYS_NICE) keeps the executor's "
-                   "threads from waiting behind them for a core")
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
                    "sleeping in the kernel (longer: lower latency, one busier core; default 200 on a GPU, 20 on the CPU, "
                    "where the spinning core is one the GEMMs need)")

@@ -34,21 +34,6 @@ def test_bad_listen_address_is_a_clear_error():
     assert r.returncode != 0 and "local://NAME" in r.stderr
 
 
-def test_nice_applies_to_every_executor_thread():
-    """`serve --nice N`: every thread of the executor, those made before the option is read and
-    after, runs at its nice value + N (a positive N: allowed without privileges)."""
-    import os
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    with running_executor("tiny-llama", "--nice", "3") as ex:
-        virt = virtualize(build_builtin("tiny-llama"), ex.url)  # (threads of serving made)
-        virt(torch.tensor([[1, 2, 3]]))
-        tids = os.listdir(f"/proc/{ex.pid}/task")
-        assert len(tids) > 1
-        nices = {int(open(f"/proc/{ex.pid}/task/{t}/stat").read().rpartition(")")[2].split()[16]) for t in tids}
-        assert nices == {base + 3}, nices
-
-
 def test_save_pretrained_directory_and_logs(tmp_path):
     build_builtin("tiny-qwen2").save_pretrained(tmp_path / "qwen")
     with running_executor(str(tmp_path / "qwen")) as ex:
