@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from symbiont.base_executor.catalog import CONV1D, LINEAR, Unit, UnitTable
+from symbiont.base_executor.catalog import CONV1D, LINEAR, SPAN, Unit, UnitTable
 from symbiont.proto import codec, mailbox
 from symbiont.proto import executor_pb2 as pb
 
@@ -95,6 +95,16 @@ class GroupDelta:
                 delta.add_to(op, x[:, a:b], y)
             else:
                 delta.add_to(op, x, y[:, a:b])
+
+
+@dataclasses.dataclass
+class SpanDelta:
+    """A hosted adapter's deltas inside a layer span (proto/layer_span.py): at its o_proj and at the
+    next layer's q/k/v group (None where it has none). runner._span adds each where its unit's own
+    call would, on the span's intermediate results."""
+
+    o: Delta | None
+    qkv: GroupDelta | None
 
 
 @dataclasses.dataclass
@@ -539,6 +549,8 @@ class AdapterRegistry:
         delta = self.delta(owner, adapter_id, unit)  # (checks that owner may use it)
         merged = self.merged
         if merged is not None and merged.adapter.id == adapter_id:
+            if unit.kind == SPAN:  # (its o_proj and q/k/v: the merged copies)
+                return _merged_span(merged, unit), None, merged.epoch
             copy = merged.units.get(unit.id)
             if copy is not None:
                 return copy, None, merged.epoch
@@ -551,6 +563,8 @@ class AdapterRegistry:
         if adapter is None or adapter.owner not in (owner, PROVIDER):
             raise AdapterError(pb.INVALID_ARGUMENT, f"no adapter with id {adapter_id} is hosted for this tenant")
         deltas = self.on_device(adapter)
+        if unit.kind == SPAN:
+            return _span_delta(unit, deltas, adapter.name)
         if unit.members and unit.kind in (LINEAR, CONV1D):
             parts = [(m.rows[0], m.rows[1], deltas[m.id]) for m in unit.members if m.id in deltas]
             if parts:
@@ -559,6 +573,32 @@ class AdapterRegistry:
         if found is None:
             raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {adapter.name!r} has nothing for unit {unit.id!r}")
         return found
+
+
+def _span_delta(unit: Unit, deltas: dict[str, Delta], name: str) -> SpanDelta:
+    """The deltas of an adapter inside span `unit`: its o_proj's and its next q/k/v group's; an
+    adapter of the MLP between them is refused (its layer makes its own calls then)."""
+    o, mlp, *qkv = unit.members
+    inside = {u.id for m in mlp.members for u in (m, *m.members)}
+    if inside & deltas.keys():
+        raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} adapts the MLP inside span {unit.id!r}: "
+                                                "its layer calls its units one by one")
+    parts = [(m.rows[0], m.rows[1], deltas[m.id]) for m in qkv[0].members if m.id in deltas] if qkv else []
+    found = SpanDelta(deltas.get(o.id), GroupDelta(parts) if parts else None)
+    if found.o is None and found.qkv is None:
+        raise AdapterError(pb.INVALID_ARGUMENT, f"adapter {name!r} has nothing for unit {unit.id!r}")
+    return found
+
+
+def _merged_span(merged: Merged, unit: Unit) -> Unit:
+    """Span `unit` computing with the merged copies of its o_proj and q/k/v where the merged
+    adapter has them (made once per merge)."""
+    span = merged.units.get(unit.id)
+    if span is None:
+        o, mlp, *qkv = unit.members
+        members = (merged.units.get(o.id, o), mlp, *(merged.units.get(q.id, q) for q in qkv))
+        span = merged.units[unit.id] = dataclasses.replace(unit, members=members)
+    return span
 
 
 def merge_bytes(table: UnitTable, adapter: Adapter) -> int:

@@ -90,6 +90,19 @@ class Counters:
     per_tenant_refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+def span_deltas(calls: list[Call]) -> list | None:
+    """The hosted adapters of a batch of span calls, on their rows: [(first row, end row,
+    adapters.SpanDelta)] (runner.run); None for calls of any other unit."""
+    if calls[0].unit.kind != SPAN:
+        return None
+    found, start = [], 0
+    for c in calls:
+        if c.adapter is not None and c.tokens:
+            found.append((start, start + c.tokens, c.adapter))
+        start += c.tokens
+    return found
+
+
 class ExecutorCore:
     def __init__(self, table: UnitTable, dtype: torch.dtype, device: torch.device, config: SchedulerConfig):
         self.table = table
@@ -103,10 +116,11 @@ class ExecutorCore:
         self._ids_stream = None  # a GPU executor's stream for checking embedding ids (checked_ids)
         self.before_batch = None  # a transport's look at each batch popped, before it runs (where it runs)
 
-    def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None,
+              span_deltas: list | None = None) -> torch.Tensor:
         if self.tp is not None:
             return self.tp.run(unit, op, x, out)
-        return runner.run(unit, op, x, exact, out)
+        return runner.run(unit, op, x, exact, out, span_deltas)
 
     # ---- validation -------------------------------------------------------
 
@@ -278,11 +292,11 @@ class ExecutorCore:
                 c = calls[0]
                 if c.graphs is not None:
                     return [Result(c, c.graphs.run(c, exact))]
-                y = self._gemm(c.unit, c.op, c.x, exact, c.out)
+                y = self._gemm(c.unit, c.op, c.x, exact, c.out, span_deltas(calls))
                 self._add_adapters(calls, c.x, y)
                 return [Result(c, y.view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
-            y = self._gemm(calls[0].unit, calls[0].op, x, exact)
+            y = self._gemm(calls[0].unit, calls[0].op, x, exact, None, span_deltas(calls))
             self._add_adapters(calls, x, y)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1 and not isinstance(e, Unavailable):
@@ -297,7 +311,10 @@ class ExecutorCore:
     @staticmethod
     def _add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
         """Each call's hosted adapter on its own rows of a batch; the calls naming one adapter get it
-        in one pass over their rows together (the provider's adapter named by many tenants)."""
+        in one pass over their rows together (the provider's adapter named by many tenants). A
+        span's are added inside it (span_deltas)."""
+        if calls[0].unit.kind == SPAN:
+            return
         rows: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # id(delta) -> (delta, its calls' rows [a, b))
         start = 0
         for c in calls:

@@ -12,11 +12,14 @@ from symbiont.proto import executor_pb2 as pb
 log = logging.getLogger("base_executor")
 
 
-def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Tensor | None = None,
+        span_deltas: list | None = None) -> torch.Tensor:
     """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; MLP BACKWARD: [x, grad_y] side by
     side, [tokens, 2 * hidden]; embedding: ids [tokens]).
     out: None, or [tokens, d_out] where a linear or conv1d result is written (a tenant's output
     mailbox: no copy afterwards); the result is returned either way.
+    span_deltas: a span unit's hosted adapters, [(first row, end row, adapters.SpanDelta)] (any
+    other unit's are added to its result by the caller).
 
     Each op is computed with the same primitive the replaced module uses (F.linear of a 2-D
     input is addmm, or mm without a bias), so a virtualized model is bitwise equal to the
@@ -46,7 +49,7 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
     elif unit.kind == MLP:
         return _mlp(unit, op, x, exact, out)
     elif unit.kind == SPAN and op == pb.FORWARD:
-        return _span(unit, x, exact, out)
+        return _span(unit, x, exact, out, span_deltas or ())
     elif unit.kind == EMBEDDING:
         if op == pb.FORWARD:
             return F.embedding(x, w, unit.padding_idx)
@@ -104,10 +107,12 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
     raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")
 
 
-def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
+def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, deltas) -> torch.Tensor:
     """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d, w2, w1] per token (d float32, its bits),
     out [o, n2, m, n1, qkv], each piece with the ops the tenant's layer would run (so, at one call
-    a batch, bitwise what its own layer gives), the norms with the tenant's weights w2, w1."""
+    a batch, bitwise what its own layer gives), the norms with the tenant's weights w2, w1. A hosted
+    adapter's deltas (SpanDelta, on its calls' rows) are added to o_proj's and q/k/v's results as
+    their own calls add them."""
     from symbiont.proto.layer_span import delta_of, delta_width, norm
 
     o_proj, mlp, *qkv = unit.members
@@ -118,14 +123,23 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None) ->
     o, n2, m, *nxt = y.split(pieces, dim=-1)
     # a tenant's o_proj adapter adds its float32 delta to the base output as PEFT does, one
     # rounding (a served-dtype adapter's delta the same: its add's math is float32 too)
-    o.copy_(run(o_proj, pb.FORWARD, a.contiguous(), exact).float() + delta_of(d))
+    a = a.contiguous()
+    base = run(o_proj, pb.FORWARD, a, exact)
+    for first, end, delta in deltas:
+        if delta.o is not None:
+            delta.o.add_to(pb.FORWARD, a[first:end], base[first:end])
+    o.copy_(base.float() + delta_of(d))
     h = r + o
     n2.copy_(norm(unit.norms[0], h, w[0]))
     m.copy_(run(mlp, pb.FORWARD, n2.contiguous(), exact))
     if qkv:
         n1, q = nxt
         n1.copy_(norm(unit.norms[1], h + m, w[1]))
-        q.copy_(run(qkv[0], pb.FORWARD, n1.contiguous(), exact))
+        n1 = n1.contiguous()
+        q.copy_(run(qkv[0], pb.FORWARD, n1, exact))
+        for first, end, delta in deltas:
+            if delta.qkv is not None:
+                delta.qkv.add_to(pb.FORWARD, n1[first:end], q[first:end])
     return y
 
 

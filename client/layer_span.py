@@ -18,7 +18,9 @@ changed in place or not), and the executor computes the norms with them: a tenan
 only norms of the served epsilon, in the served dtype. A layer runs its own way (three calls)
 whenever a span cannot stand for it: gradients recorded (a span keeps nothing for backward),
 torch.compile tracing, more than SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on
-o_proj (and q, k, v), a hook on any of its parts or the next layer's, or a masked tenant. What the parts hand each
+o_proj (and q, k, v), a hook on any of its parts or the next layer's, or a masked tenant. A hosted
+adapter of o_proj or q, k, v rides in the span's call (the executor adds it there); one of the MLP
+leaves the layer its own calls. What the parts hand each
 other is the calling thread's: threads sharing a model each get their own.
 """
 from __future__ import annotations
@@ -55,6 +57,9 @@ class SpanUnit(UnitRef):
         self.pieces = pieces[:4] + (list(group.sizes) if group is not None else [])  # [o, n2, m, n1, q, k, v]
         self.norms = (getattr(layer, layer_span.POST_NORM),) + ((getattr(nxt, layer_span.INPUT_NORM),) if nxt is not None else ())
         self.eps = [n.variance_epsilon for n in self.norms]  # (the served ones, as checked at virtualize)
+        # a hosted adapter's id where it adapts this o_proj or the next q/k/v (the executor adds
+        # both inside the span; a layer whose MLP it adapts gets no span: no whole-MLP block)
+        self._adapter = o_shim._adapter or (group._adapter if group is not None else 0)
         self.enabled, self.wasted = True, 0
         self._now = _Now()
         self._register()

@@ -289,9 +289,11 @@ def virtualize(
         whole_mlp = False  # (an MLP block is not linear: its Linears are masked one by one)
         mask._members.update({u.id: list(u.members) for u in catalog.units if u.members and u.kind not in ("mlp", "span")})
     if whole_mlp:  # (first: it knows a block by its class, which fusion may subclass; an adapted block calls its Linears)
-        serve_whole_mlps([u for u in catalog.units if u.kind == "mlp" and not adapted.intersection(u.members)], root, shims)
+        members = {u.id: set(u.members) for u in catalog.units if u.members}
+        inside = {u.id: set(u.members).union(*(members.get(m, ()) for m in u.members)) for u in catalog.units if u.kind == "mlp"}
+        serve_whole_mlps([u for u in catalog.units if u.kind == "mlp" and not adapted & inside[u.id]], root, shims)
     groups = fuse_siblings([u for u in catalog.units if u.members], shims, root) if fuse else []
-    if whole_mlp and fuse and not adapted:  # (a span takes q/k/v and the MLP's parts of the calls those make)
+    if whole_mlp and fuse:  # (a span takes q/k/v and the MLP's parts of the calls those make; a hosted adapter rides in it)
         serve_layer_spans([u for u in catalog.units if u.kind == "span"], root, shims, groups)
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:

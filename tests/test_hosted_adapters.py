@@ -534,3 +534,67 @@ def test_the_adapter_packing_example_packs_tasks_within_their_targets():
     assert sorted(int(t) for _, tasks, _ in private for t in tasks.split(",")) == [0, 1, 2]
     assert all(float(s) >= 0.8 for _, _, scores in private for s in scores.split(",")), text
     assert len(private) < 3, f"at target 0.8 a rank-4 adapter holds two of these tasks:\n{text}"
+
+
+@pytest.mark.parametrize("targets", [["gate_proj"], ["up_proj"], ["down_proj"]])
+def test_a_hosted_adapter_of_an_mlp_part_is_computed(executor, targets):
+    """A hosted adapter on a part of a gated MLP (gate or up: members of the block's fused group,
+    or down) makes the block call its Linears, each with the adapter where it has one: the private
+    adapter's logits (a gate/up adapter was once dropped by the whole-block call)."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        ref = get_peft_model(build_builtin(NAME), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+                                                             target_modules=targets)).eval()
+    with connect(executor.url) as conn:
+        conn.host_adapter("mlp-part", ref)
+        virt = virtualize(build_builtin(NAME), conn, adapter="mlp-part")
+        x = ids(2, 11)
+        with torch.no_grad():
+            got, want, base = virt(x).logits, ref(x).logits, build_builtin(NAME)(x).logits
+        assert (want - base).abs().max() > 1e-3  # (the adapter changes the logits: the test can see it dropped)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_span_calls_of_three_tenants_batch_with_each_its_own_adapter():
+    """The core alone: layer spans (proto/layer_span.py) of three tenants in one batch, two naming
+    adapters of their own on q and v (the span adds them at the next layer's q/k/v), one none: each
+    equals its call run alone. An adapter of the MLP inside a span is refused with a typed error."""
+    model = build_builtin(NAME)
+    table = UnitTable(model)
+    assert table.add_spans(model) == 2
+    core = ExecutorCore(table, torch.float32, torch.device("cpu"), SchedulerConfig(max_wait_us=10**9))
+    (a1, _), (a2, _) = _host_qv(core, 1, "one", seed=1), _host_qv(core, 2, "two", seed=2)
+    span = "model.layers.0.span"
+
+    def call(tenant, adapter, tokens):
+        u, in_shape, out_shape, _ = core.check(span, pb.FORWARD, dtype_enum(torch.float32), [tokens, table.get(span).in_features])
+        u, delta, _ = core.adapted(tenant, adapter, u)
+        x = torch.randn(in_shape, generator=torch.Generator().manual_seed(10 + tenant))
+        return Call(tenant=tenant, call_id=tenant, unit=u, op=pb.FORWARD, x=x, out_shape=out_shape, latency=pb.INFERENCE,
+                    arrived=0.0, adapter=delta, adapter_id=adapter)
+
+    made = [(1, a1.id, 3), (2, a2.id, 2), (3, 0, 4)]
+    alone = {}
+    for tenant, adapter, tokens in made:
+        core.submit(call(tenant, adapter, tokens))
+        (r,) = core.step(now=1e9, can_grow=False)
+        alone[tenant] = r.y.clone()
+    for tenant, adapter, tokens in made:
+        core.submit(call(tenant, adapter, tokens))
+    results = core.step(now=1e9, can_grow=False)
+    assert [r.call.tenant for r in results] == [1, 2, 3], "one batch of the three"
+    for r in results:
+        torch.testing.assert_close(r.y, alone[r.call.tenant], rtol=1e-5, atol=1e-5)
+    core.submit(call(1, 0, 3))  # (tenant 1's call without its adapter: the adapter must show)
+    (plain,) = core.step(now=1e9, can_grow=False)
+    assert not torch.allclose(plain.y, alone[1])
+    up = "model.layers.0.mlp.up_proj"
+    g = torch.Generator().manual_seed(7)
+    weight = pb.AdapterWeight(unit=up, rank=2, dtype=dtype_enum(torch.float32), scale=1.0,
+                              a=torch.randn(2, table.get(up).in_features, generator=g).numpy().tobytes(),
+                              b=torch.randn(table.get(up).out_features, 2, generator=g).numpy().tobytes())
+    mlp = core.adapters.host(1, pb.HostAdapterRequest(name="mlp", weights=[weight]))
+    with pytest.raises(Exception, match="adapts the MLP inside span"):
+        core.adapted(1, mlp.id, table.get(span))

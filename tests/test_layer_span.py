@@ -391,3 +391,42 @@ def test_the_executor_computes_norms_only_where_its_norm_is_the_modules_bitwise(
     model.model.layers[0].post_attention_layernorm.__class__ = Otherwise
     table = UnitTable(model)
     assert before == LAYERS and table.add_spans(model) == LAYERS - 1
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj"), ("o_proj",),
+                                     ("o_proj", "up_proj")])
+def test_a_hosted_adapter_rides_in_the_span(targets):
+    """A tenant naming a hosted LoRA: the executor adds it inside each span (at o_proj, and at the
+    next layer's q/k/v), so a decoding layer still makes one call, and the logits and greedy tokens
+    are bitwise those of the same tenant making per-unit calls (an executor without spans), and
+    within float32 rounding of the private PEFT model. An adapter of the MLP leaves its layers
+    their own calls."""
+    from peft import LoraConfig, get_peft_model
+
+    name, x = "tiny-llama", ids(2, 9)
+
+    def private():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            return get_peft_model(build_builtin(name), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                                  lora_dropout=0.0, target_modules=list(targets))).eval()
+
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    got = {}
+    for flag in ("--layer-spans", "--no-layer-spans"):
+        with running_executor(name, flag) as ex, connect(ex.url) as conn:
+            conn.host_adapter("mine", private())
+            virt = virtualize(build_builtin(name), conn, adapter="mine")
+            with Calls(ex.url) as calls, torch.no_grad():
+                logits = virt(input_ids=x).logits
+            with Calls(ex.url) as decode:
+                tokens = virt.generate(input_ids=x, **kw)
+            got[flag] = (logits, tokens, calls.spans(), decode.spans())
+    (logits, tokens, spans, decode_spans), (unit_logits, unit_tokens, no_spans, _) = got.values()
+    assert torch.equal(logits, unit_logits) and torch.equal(tokens, unit_tokens)
+    assert no_spans == 0
+    assert (spans, decode_spans) == ((0, 0) if "up_proj" in targets else (LAYERS, 5 * LAYERS))
+    ref = private()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, ref(input_ids=x).logits, rtol=1e-6, atol=1e-6)
+    assert torch.equal(tokens, ref.generate(input_ids=x, **kw))
