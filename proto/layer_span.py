@@ -51,11 +51,18 @@ def widths(hidden: int, attn: int, qkv: int, dtype: torch.dtype) -> tuple[int, i
     return attn + hidden + delta_width(hidden, dtype) + (2 if qkv else 1) * hidden, sum(pieces), pieces
 
 
+LAYOUT = "delta-bytes"
+"""The span call's input layout, named in the span unit's fingerprint: a client of another layout
+(before 2026-11-27: the delta in three pieces) finds no span it knows, and its layers make their
+own calls."""
+
+
 def norms_print(norms) -> str:
-    """What a span unit's fingerprint says of the norms it computes with (the post-attention norm,
-    then the next layer's input norm): their classes and epsilons (their weights come with each
-    call). A tenant's span stands for its layer only where its own norms print the same."""
-    return "norms:" + ",".join(f"{n.variance_epsilon!r}" for n in norms)
+    """What a span unit's fingerprint ends with: the call's layout, and what it says of the norms it
+    computes with (the post-attention norm, then the next layer's input norm): their epsilons (their
+    weights come with each call). A tenant's span stands for its layer only where its own norms
+    print the same."""
+    return f"{LAYOUT};norms:" + ",".join(f"{n.variance_epsilon!r}" for n in norms)
 
 
 def norm(module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,4 +104,7 @@ def delta_bits(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def delta_of(bits: torch.Tensor) -> torch.Tensor:
     """The float32 d that delta_bits carried in `bits` (a column slice of a call's input)."""
-    return bits.contiguous().view(torch.float32)
+    bits = bits.contiguous()
+    if bits.storage_offset() % (4 // bits.element_size()) or any(st % (4 // bits.element_size()) for st in bits.stride()[:-1]):
+        bits = bits.clone(memory_format=torch.contiguous_format)  # (a slice at an odd place of an odd-width row, which one row leaves as it is)
+    return bits.view(torch.float32)

@@ -230,6 +230,10 @@ def test_the_delta_rides_bit_for_bit(dtype):
     box = torch.empty_like(x).copy_(x)
     _, carried, _ = box.split([5, bits.shape[1], 5], dim=-1)
     assert torch.equal(delta_of(carried).view(torch.int32), raw)
+    for width in (5, 6):  # (one row at an odd place, as an odd hidden width leaves it)
+        one = torch.cat([torch.zeros(1, width, dtype=dtype), bits[:1]], dim=-1)[:, width:]
+        assert one.storage_offset() == width
+        assert torch.equal(delta_of(one).view(torch.int32), raw[:1])
 
 
 def test_bfloat16_with_a_float32_lora_on_o_proj_is_bitwise():
