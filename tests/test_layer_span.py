@@ -434,3 +434,38 @@ def test_a_hosted_adapter_rides_in_the_span(targets):
     with torch.no_grad():
         torch.testing.assert_close(logits, ref(input_ids=x).logits, rtol=1e-6, atol=1e-6)
     assert torch.equal(tokens, ref.generate(input_ids=x, **kw))
+
+
+def test_a_merged_hosted_adapter_in_spans_gives_the_per_unit_calls_logits():
+    """`--merge auto` merges the one busy hosted adapter: with it merged, a decoding forward's spans
+    compute with the merged copies of o_proj and q/k/v, bitwise what the per-unit calls give on an
+    executor without spans, merged the same way."""
+    import time
+
+    from peft import LoraConfig, get_peft_model
+
+    name, x = "tiny-llama", ids(1, 7)
+
+    def private():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(6)
+            return get_peft_model(build_builtin(name), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0,
+                                                                  target_modules=["q_proj", "v_proj", "o_proj"])).eval()
+
+    got = []
+    for flag in ("--layer-spans", "--no-layer-spans"):
+        with running_executor(name, flag, "--merge", "auto", "--merge-window-s", "0.3") as ex, connect(ex.url) as conn:
+            conn.host_adapter("hot", private())
+            virt = virtualize(build_builtin(name), conn, adapter="hot")
+            deadline = time.monotonic() + 60
+            with torch.no_grad():
+                while conn.stats().merged_adapter != "hot":
+                    assert time.monotonic() < deadline, f"never merged: {conn.stats()}"
+                    virt(input_ids=x)
+                with Calls(ex.url) as calls:
+                    got.append(virt(input_ids=x).logits)
+            assert calls.spans() == (LAYERS if flag == "--layer-spans" else 0), calls.by_unit
+            assert conn.stats().merged_adapter == "hot"
+    assert torch.equal(got[0], got[1])
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], private()(input_ids=x).logits, rtol=1e-5, atol=1e-5)
