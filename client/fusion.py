@@ -46,6 +46,7 @@ class FusedGroup(UnitRef):
         self._adapter = next((m._adapter for m in members if m._adapter), 0)  # (the executor adds each adapted member's share)
         self._last = _Last()  # this thread's last group call (threads sharing a model fuse each their own calls)
         self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
+        self._traced_handed = None  # while torch.compile traces: (x, {member: output}) a layer span computed (layer_span.py)
         self._scope_open = False  # while torch.compile traces the members' parent's forward (FusionScope)
         self._register()
         for i, m in enumerate(members):
@@ -90,6 +91,12 @@ class FusedGroup(UnitRef):
         members' parent (FusionScope), which drops them as it returns: what Dynamo leaves on the
         group once the compiled code has run is None. A member called outside that forward
         calls its own unit (None)."""
+        handed = self._traced_handed
+        if handed is not None and handed[0] is x and member in handed[1]:
+            y = handed[1].pop(member)
+            if not handed[1]:
+                self._traced_handed = None
+            return y
         if not self._scope_open:
             return None
         kept = self._traced_kept

@@ -17,11 +17,14 @@ The span's call carries the weights of the tenant's two norms as they are at tha
 changed in place or not), and the executor computes the norms with them: a tenant's span needs
 only norms of the served epsilon, in the served dtype. A layer runs its own way (three calls)
 whenever a span cannot stand for it: gradients recorded (a span keeps nothing for backward),
-torch.compile tracing, more than SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on
+more than SPAN_MAX_TOKENS tokens, an adapter other than one plain LoRA on
 o_proj (and q, k, v), a hook on any of its parts or the next layer's, or a masked tenant. A hosted
 adapter of o_proj or q, k, v rides in the span's call (the executor adds it there); one of the MLP
 leaves the layer its own calls. What the parts hand each
-other is the calling thread's: threads sharing a model each get their own.
+other is the calling thread's: threads sharing a model each get their own. While torch.compile
+traces, the same hand-overs go through shim.TRACED and the q/k/v group's _traced_handed (Dynamo
+cannot read a threading.local), and the call is the custom op: compiled code makes one call a
+layer too.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import HANDED, UnitRef, VirtLayer, _state, handed, tracing
+from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, tracing, unit_call
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
 from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
@@ -62,6 +65,7 @@ class SpanUnit(UnitRef):
         self._adapter = o_shim._adapter or (group._adapter if group is not None else 0)
         self.enabled, self.wasted = True, 0
         self._now = _Now()
+        self._traced = _TracedNow()  # (while torch.compile traces: the same, one thread)
         self._register()
 
     # ---- whether the span stands for the layer now --------------------------------
@@ -69,7 +73,7 @@ class SpanUnit(UnitRef):
     def ready(self, h: torch.Tensor) -> bool:
         """Whether the span stands for its layer on input h now (the layer's every call: plain
         dict lookups, no module __getattr__)."""
-        if not self.enabled or torch.is_grad_enabled() or tracing() or h.dtype != self._dtype or h.dim() == 0:
+        if not self.enabled or torch.is_grad_enabled() or h.dtype != self._dtype or h.dim() == 0:
             return False
         if h.shape[-1] != self.pieces[0] or h.numel() // h.shape[-1] > SPAN_MAX_TOKENS:
             return False
@@ -121,6 +125,54 @@ class SpanUnit(UnitRef):
             last.kept, last.x, last.state, last.wasted = dict(enumerate(qkv)), n1, _state(n1), 0
         return h2
 
+    def run_traced(self, layer_forward, h: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """run() while torch.compile traces: the hand-overs in TRACED and on the q/k/v group, the
+        call the custom op (no waste count: the compiled code runs as traced)."""
+        t = self._traced
+        t.r, t.carry = h, None
+        h2 = layer_forward(h, *args, **kwargs)
+        t.r = None
+        TRACED.gives.pop(id(self.norms[0]), None)
+        TRACED.gives.pop(id(getattr(self.layer, layer_span.MLP)), None)
+        carry, t.carry = t.carry, None
+        if carry and self.next is not None:
+            n1, qkv = carry
+            TRACED.gives[id(self.norms[1])] = (h2, n1)
+            self.group._traced_handed = (n1, dict(enumerate(qkv)))
+        return h2
+
+    def attention_traced(self, attn_forward, args, kwargs):
+        t = self._traced
+        r = t.r
+        if r is None:
+            return attn_forward(*args, **kwargs)
+        seen = TRACED.zeroing[id(self.o_shim)] = []
+        try:
+            out = attn_forward(*args, **kwargs)
+        finally:
+            del TRACED.zeroing[id(self.o_shim)]
+        t.r = None
+        d = out[0] if isinstance(out, tuple) else out
+        if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
+            raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve with --no-layer-spans")
+        x, lead = self._input(seen[0], r, d)
+        y = unit_call(x, self._shim_id, pb.FORWARD)
+        o, n2, m, *carry = [p.reshape(*lead, p.shape[-1]).contiguous() for p in y.split(self.pieces, dim=-1)]
+        TRACED.gives[id(self.norms[0])] = (None, n2)
+        TRACED.gives[id(getattr(self.layer, layer_span.MLP))] = (n2, m)
+        t.carry = (carry[0], tuple(carry[1:])) if carry else ()
+        return (o, *out[1:]) if isinstance(out, tuple) else o
+
+    def _input(self, a, r, d):
+        """The call's input rows [a, r, d1, d2, d3, w2, w1] and the leading shape of r."""
+        lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
+        if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)
+            bits = torch.zeros(rows.shape[0], layer_span.delta_width(rows.shape[1], self._dtype), dtype=self._dtype, device=rows.device)
+        else:
+            bits = layer_span.delta_bits(d.reshape(-1, d.shape[-1]), self._dtype)
+        weights = [n._parameters["weight"].detach().expand(rows.shape) for n in self.norms]  # (each row its own copy)
+        return torch.cat([a.reshape(-1, a.shape[-1]), rows, bits, *weights], dim=-1), lead
+
     def attention(self, attn_forward, args, kwargs):
         """The attention's forward with o_proj giving float32 zeros, then the span's call: returns
         what the attention returns, its output o_proj(a) + d."""
@@ -137,14 +189,7 @@ class SpanUnit(UnitRef):
         d = out[0] if isinstance(out, tuple) else out
         if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
             raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve with --no-layer-spans")
-        a = seen[0]
-        lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
-        if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)
-            bits = torch.zeros(rows.shape[0], layer_span.delta_width(rows.shape[1], self._dtype), dtype=self._dtype, device=rows.device)
-        else:
-            bits = layer_span.delta_bits(d.reshape(-1, d.shape[-1]), self._dtype)
-        weights = [n._parameters["weight"].detach().expand(rows.shape) for n in self.norms]  # (each row its own copy)
-        x = torch.cat([a.reshape(-1, a.shape[-1]), rows, bits, *weights], dim=-1)
+        x, lead = self._input(seen[0], r, d)
 
         def take_pieces(y):
             y = y.reshape(-1, y.shape[-1])
@@ -158,6 +203,13 @@ class SpanUnit(UnitRef):
         gives[id(getattr(self.layer, layer_span.MLP))] = (n2, None, m)
         now.carry = (carry[0], tuple(carry[1:])) if carry else ()  # (n1, (q, k, v)); () for the last layer
         return (o, *out[1:]) if isinstance(out, tuple) else o
+
+
+class _TracedNow:
+    """_Now while torch.compile traces."""
+
+    def __init__(self):
+        self.r, self.carry = None, None
 
 
 class _Now(threading.local):
@@ -208,9 +260,14 @@ class VirtSpanDecoder:
     _span: SpanUnit
 
     def forward(self, hidden_states, *args, **kwargs):
-        if tracing():  # (torch.compile sees the layer's own forward: no span state in its graph)
-            return super().forward(hidden_states, *args, **kwargs)
         span = self._span
+        if tracing():
+            if span.ready(hidden_states):
+                return span.run_traced(super().forward, hidden_states, args, kwargs)
+            if span.next is not None:
+                TRACED.gives.pop(id(span.norms[1]), None)
+                span.group._traced_handed = None
+            return super().forward(hidden_states, *args, **kwargs)
         if span.ready(hidden_states):
             return span.run(super().forward, hidden_states, args, kwargs)
         if span.next is not None:
@@ -225,7 +282,7 @@ class VirtSpanAttention:
 
     def forward(self, *args, **kwargs):
         if tracing():
-            return super().forward(*args, **kwargs)
+            return self._span.attention_traced(super().forward, args, kwargs)
         return self._span.attention(super().forward, args, kwargs)
 
 
@@ -234,7 +291,7 @@ class VirtNorm:
     span for the post-attention norm, the layer before's for the input norm), else computes it."""
 
     def forward(self, x):
-        y = None if tracing() else handed(self, x)
+        y = handed(self, x)
         return super().forward(x) if y is None else y
 
 

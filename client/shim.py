@@ -215,8 +215,23 @@ class _Handed(threading.local):
 HANDED = _Handed()
 
 
+class _Traced:
+    """The same while torch.compile traces (one thread; Dynamo cannot read a threading.local):
+    id(module) -> (the input they are for, or None; the output), and the o_proj shims giving
+    zeros. What a traced forward leaves here is for identical inputs only (`is`)."""
+
+    def __init__(self):
+        self.gives, self.zeroing = {}, {}
+
+
+TRACED = _Traced()
+
+
 def handed(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """What a layer span computed for `module` called on x on this thread, once; None if nothing."""
+    if tracing():
+        got = TRACED.gives.pop(id(module), None) if TRACED.gives else None
+        return got[1] if got is not None and (got[0] is None or got[0] is x) else None
     got = HANDED.gives.pop(id(module), None) if HANDED.gives else None
     if got is not None and (got[0] is None or (got[0] is x and (got[1] is None or got[1] == _state(x)))):
         return got[2]
@@ -334,7 +349,10 @@ class VirtLinear(VirtLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        seen = HANDED.zeroing.get(id(self)) if HANDED.zeroing else None
+        if tracing():
+            seen = TRACED.zeroing.get(id(self)) if TRACED.zeroing else None
+        else:
+            seen = HANDED.zeroing.get(id(self)) if HANDED.zeroing else None
         if seen is not None:  # (o_proj while its layer span takes the attention's output: float32 zeros)
             seen.append(x)
             return torch.zeros((*x.shape[:-1], self._d_out), dtype=torch.float32, device=x.device)

@@ -286,22 +286,30 @@ def test_a_span_unit_takes_forward_only_and_the_executor_carries_on():
         conn.close()
 
 
-def test_a_compiled_model_traces_the_layers_own_forward():
-    """torch.compile traces each layer's own forward (the custom ops, fused groups): no graph
-    break, the unsplit logits; the span's parts keep nothing traced."""
+def test_a_compiled_model_makes_one_call_a_layer_too():
+    """torch.compile traces the span's hand-overs (no graph break): a compiled forward makes one
+    call a layer and gives the unsplit logits bitwise (aot_eager: the tenant's ops as eager), with
+    LoRA on q, k, v and o too; a compiled forward recording gradients makes the layers' own calls
+    and gives the unsplit adapter gradients."""
     torch._dynamo.utils.counters.clear()
     with running_executor("tiny-llama", "--layer-spans") as ex:
-        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), ex.url)
-        compiled = torch.compile(virt, backend="aot_eager")
-        x = ids(1, 7)
-        for _ in range(2):
-            with torch.no_grad(), Calls(ex.url) as calls:
-                assert torch.equal(compiled(x).logits, ref(x).logits)
-            assert calls.spans() == 0 and calls.by_unit
+        for make in (lambda: build_builtin("tiny-llama"), lambda: lora_everywhere("tiny-llama")):
+            ref, virt = make(), virtualize(make(), ex.url)
+            compiled = torch.compile(virt, backend="aot_eager")
+            x = ids(1, 7)
+            for _ in range(2):
+                with torch.no_grad(), Calls(ex.url) as calls:
+                    assert torch.equal(compiled(x).logits, ref(x).logits)
+                assert calls.spans() == LAYERS and sum(calls.by_unit.values()) == LAYERS + 3, calls.by_unit
+            with torch.no_grad(), Calls(ex.url) as calls:  # (eager again: spans)
+                assert torch.equal(virt(x).logits, ref(x).logits)
+            assert calls.spans() == LAYERS
+        with Calls(ex.url) as calls:
+            compiled(input_ids=x, labels=x).loss.backward()
+        ref(input_ids=x, labels=x).loss.backward()
+        assert calls.spans() == 0 and calls.by_unit
+        assert_grads_close(lora_grads(ref), lora_grads(virt))
         assert not torch._dynamo.utils.counters["graph_break"]
-        with torch.no_grad(), Calls(ex.url) as calls:  # (eager again: spans)
-            assert torch.equal(virt(x).logits, ref(x).logits)
-        assert calls.spans() == LAYERS
 
 
 def test_threads_sharing_a_model_each_get_their_own_spans():
