@@ -220,6 +220,7 @@ class _Now(threading.local):
         self.r, self.carry = None, None
 
 
+@torch.compiler.assume_constant_result  # (while Dynamo traces: decided at trace time; it cannot read a function's name)
 def _hooked(module: nn.Module) -> bool:
     """Whether a module has a hook of its own that its forward would run, transformers' output
     recorders aside: they only read what a module returns, and stay once installed (a part a span
