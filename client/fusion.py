@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, _state, call_unit, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, _state, call_unit, records, trace_serial, tracing, unit_call
 from symbiont.proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -45,8 +45,8 @@ class FusedGroup(UnitRef):
         self.enabled = True
         self._adapter = next((m._adapter for m in members if m._adapter), 0)  # (the executor adds each adapted member's share)
         self._last = _Last()  # this thread's last group call (threads sharing a model fuse each their own calls)
-        self._traced_kept = None  # while torch.compile traces: (x, {member: output}) of the last group call
-        self._traced_handed = None  # while torch.compile traces: (x, {member: output}) a layer span computed (layer_span.py)
+        self._traced_kept = None  # while torch.compile traces: (trace, x, {member: output}) of the last group call
+        self._traced_handed = None  # while torch.compile traces: (trace, x, {member: output}) a layer span computed (layer_span.py)
         self._scope_open = False  # while torch.compile traces the members' parent's forward (FusionScope)
         self._register()
         for i, m in enumerate(members):
@@ -91,19 +91,20 @@ class FusedGroup(UnitRef):
         members' parent (FusionScope), which drops them as it returns: what Dynamo leaves on the
         group once the compiled code has run is None. A member called outside that forward
         calls its own unit (None)."""
+        serial = trace_serial()  # (what another trace left is never taken: shim.trace_serial)
         handed = self._traced_handed
-        if handed is not None and handed[0] is x and member in handed[1]:
-            y = handed[1].pop(member)
-            if not handed[1]:
+        if handed is not None and handed[0] == serial and handed[1] is x and member in handed[2]:
+            y = handed[2].pop(member)
+            if not handed[2]:
                 self._traced_handed = None
             return y
         if not self._scope_open:
             return None
         kept = self._traced_kept
-        if kept is not None and kept[0] is x and member in kept[1]:
-            return kept[1].pop(member)
+        if kept is not None and kept[0] == serial and kept[1] is x and member in kept[2]:
+            return kept[2].pop(member)
         ys = unit_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
-        self._traced_kept = (x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
+        self._traced_kept = (serial, x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
         return ys[member].contiguous()
 
 

@@ -28,13 +28,12 @@ layer too.
 """
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
 from torch import nn
 
-from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, tracing, unit_call
+from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, trace_serial, tracing, unit_call
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
 from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
@@ -128,39 +127,43 @@ class SpanUnit(UnitRef):
     def run_traced(self, layer_forward, h: torch.Tensor, args, kwargs) -> torch.Tensor:
         """run() while torch.compile traces: the hand-overs in TRACED and on the q/k/v group, the
         call the custom op (no waste count: the compiled code runs as traced)."""
-        t = self._traced
-        t.r, t.carry = h, None
+        t, serial = self._traced, trace_serial()  # (each hand-over taken by this trace alone)
+        t.r, t.carry = (serial, h), None
         h2 = layer_forward(h, *args, **kwargs)
         t.r = None
         TRACED.gives.pop(id(self.norms[0]), None)
         TRACED.gives.pop(id(getattr(self.layer, layer_span.MLP)), None)
         carry, t.carry = t.carry, None
-        if carry and self.next is not None:
-            n1, qkv = carry
-            TRACED.gives[id(self.norms[1])] = (h2, n1)
-            self.group._traced_handed = (n1, dict(enumerate(qkv)))
+        if carry is not None and carry[0] == serial and carry[1] and self.next is not None:
+            n1, qkv = carry[1]
+            TRACED.gives[id(self.norms[1])] = (serial, h2, n1)
+            self.group._traced_handed = (serial, n1, dict(enumerate(qkv)))
         return h2
 
     def attention_traced(self, attn_forward, args, kwargs):
-        t = self._traced
+        t, serial = self._traced, trace_serial()
         r = t.r
-        if r is None:
+        if r is None or r[0] != serial:  # (the layer's forward began in another graph: no span)
             return attn_forward(*args, **kwargs)
-        seen = TRACED.zeroing[id(self.o_shim)] = []
+        r = r[1]
+        seen = []
+        TRACED.zeroing[id(self.o_shim)] = (serial, seen)
         try:
             out = attn_forward(*args, **kwargs)
         finally:
-            del TRACED.zeroing[id(self.o_shim)]
+            TRACED.zeroing.pop(id(self.o_shim), None)
         t.r = None
         d = out[0] if isinstance(out, tuple) else out
+        if not seen:  # (o_proj ran in another graph, a graph break between: it made its own call)
+            return out
         if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
             raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve with --no-layer-spans")
         x, lead = self._input(seen[0], r, d)
         y = unit_call(x, self._shim_id, pb.FORWARD)
         o, n2, m, *carry = [p.reshape(*lead, p.shape[-1]).contiguous() for p in y.split(self.pieces, dim=-1)]
-        TRACED.gives[id(self.norms[0])] = (None, n2)
-        TRACED.gives[id(getattr(self.layer, layer_span.MLP))] = (n2, m)
-        t.carry = (carry[0], tuple(carry[1:])) if carry else ()
+        TRACED.gives[id(self.norms[0])] = (serial, None, n2)
+        TRACED.gives[id(getattr(self.layer, layer_span.MLP))] = (serial, n2, m)
+        t.carry = (serial, (carry[0], tuple(carry[1:])) if carry else ())
         return (o, *out[1:]) if isinstance(out, tuple) else o
 
     def _input(self, a, r, d):
@@ -242,14 +245,19 @@ def _plain_or_lora(module, shim: VirtLayer) -> bool:
         shim._dtype in (torch.float32, torch.bfloat16) or all(module.lora_A[a].weight.dtype == shim._dtype for a in active))
 
 
-@functools.cache
+_LORA_LINEAR: list = []  # PEFT's LoRA Linear class, once looked up (None without PEFT)
+
+
 def _lora_linear():
-    """PEFT's LoRA Linear class (None without PEFT), looked up once."""
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:
-        return None
-    return Linear
+    """PEFT's LoRA Linear class (None without PEFT). Looked up when spans are set up
+    (serve_layer_spans), so traced code only reads the list (functools.cache makes Dynamo warn)."""
+    if not _LORA_LINEAR:
+        try:
+            from peft.tuners.lora.layer import Linear
+        except ImportError:
+            Linear = None
+        _LORA_LINEAR.append(Linear)
+    return _LORA_LINEAR[0]
 
 
 # ---- the parts of a layer -----------------------------------------------------------
@@ -328,6 +336,7 @@ def serve_layer_spans(units: list, root: nn.Module, shims: dict, groups: list) -
     for the last layer, a fused q/k/v group in the next layer. Returns how many layers do."""
     by_unit = {g.unit_id: g for g in groups}
     paths = {id(m): p for p, m in root.named_modules()}
+    _lora_linear()
     n = 0
     for unit in units:
         path = unit.id[: -len(".span")]

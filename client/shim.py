@@ -216,22 +216,38 @@ HANDED = _Handed()
 
 
 class _Traced:
-    """The same while torch.compile traces (one thread; Dynamo cannot read a threading.local):
-    id(module) -> (the input they are for, or None; the output), and the o_proj shims giving
-    zeros. What a traced forward leaves here is for identical inputs only (`is`)."""
+    """The same while torch.compile traces (Dynamo cannot read a threading.local): id(module) ->
+    (the trace that left it, trace_serial(); the input it is for, or None; the output), and the
+    o_proj shims giving zeros: id(shim) -> (trace, the list their inputs go to). Taken only by the
+    trace that left it, for identical inputs (`is`)."""
 
     def __init__(self):
         self.gives, self.zeroing = {}, {}
 
 
 TRACED = _Traced()
+_SERIALS = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def trace_serial() -> int:
+    """The graph Dynamo is tracing now, as a number baked into its code. What one trace leaves in
+    TRACED is never taken by another: across a graph break Dynamo replays the writes at run time,
+    where threads sharing a compiled model would take each other's."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is None:
+        return 0
+    serial = getattr(ctx, "_symbiont_trace", None)
+    if serial is None:
+        serial = ctx._symbiont_trace = next(_SERIALS)
+    return serial
 
 
 def handed(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """What a layer span computed for `module` called on x on this thread, once; None if nothing."""
     if tracing():
         got = TRACED.gives.pop(id(module), None) if TRACED.gives else None
-        return got[1] if got is not None and (got[0] is None or got[0] is x) else None
+        return got[2] if got is not None and got[0] == trace_serial() and (got[1] is None or got[1] is x) else None
     got = HANDED.gives.pop(id(module), None) if HANDED.gives else None
     if got is not None and (got[0] is None or (got[0] is x and (got[1] is None or got[1] == _state(x)))):
         return got[2]
@@ -350,7 +366,8 @@ class VirtLinear(VirtLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         if tracing():
-            seen = TRACED.zeroing.get(id(self)) if TRACED.zeroing else None
+            entry = TRACED.zeroing.get(id(self)) if TRACED.zeroing else None
+            seen = entry[1] if entry is not None and entry[0] == trace_serial() else None
         else:
             seen = HANDED.zeroing.get(id(self)) if HANDED.zeroing else None
         if seen is not None:  # (o_proj while its layer span takes the attention's output: float32 zeros)

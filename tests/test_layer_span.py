@@ -477,3 +477,54 @@ def test_a_merged_hosted_adapter_in_spans_gives_the_per_unit_calls_logits():
     assert torch.equal(got[0], got[1])
     with torch.no_grad():
         torch.testing.assert_close(got[0], private()(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_model_with_graph_breaks_shared_by_threads_stays_exact():
+    """An attention that breaks the compiled graph in every layer (here a registered attention
+    function calling torch._dynamo.graph_break()): a span's hand-overs never cross from one graph
+    to another (each is taken only by the trace that made it), so two threads sharing the compiled
+    model, each with its own input, each get the unsplit logits; the layers then make their own
+    calls where a hand-over would have crossed."""
+    import threading
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def breaking(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("sdpa_graph_break", breaking)
+
+    def make(name):
+        model = lora_everywhere(name)
+        model.base_model.model.config._attn_implementation = "sdpa_graph_break"
+        return model
+
+    name = "tiny-llama"
+    with running_executor(name, "--layer-spans") as ex:
+        ref, virt = make(name), virtualize(make(name), ex.url)
+        compiled = torch.compile(virt, backend="aot_eager")
+        inputs = [ids(1, 5 + i) for i in range(2)]
+        with torch.no_grad():
+            want = [ref(input_ids=x).logits for x in inputs]
+            for x, w in zip(inputs, want):  # (one thread: traced, then run)
+                assert torch.equal(compiled(input_ids=x).logits, w)
+        failures = []
+
+        def decode(i):
+            try:
+                with torch.no_grad():
+                    for _ in range(6):
+                        got = compiled(input_ids=inputs[i]).logits
+                        if not torch.equal(got, want[i]):
+                            failures.append((i, (got - want[i]).abs().max().item()))
+            except Exception as e:  # (reported below)
+                failures.append((i, repr(e)))
+
+        threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures

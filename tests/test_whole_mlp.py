@@ -235,18 +235,19 @@ def test_compiled_block_is_one_call(executor):
         torch.testing.assert_close(gx, gx2, rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_model_with_whole_calls(executor):
+def test_compiled_model_with_whole_calls(unit_calls_executor):
     """A whole compiled model: the unsplit model's logits, and its LoRA gradients, with
-    one call per MLP block per pass."""
-    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    one call per MLP block per pass (an executor without layer spans, which a compiled forward
+    uses too: tests/test_layer_span.py)."""
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), unit_calls_executor.url)
     x = ids(1, 7)
     compiled = torch.compile(virt, backend="aot_eager")
-    with torch.no_grad(), CallCount(executor.url) as count:
+    with torch.no_grad(), CallCount(unit_calls_executor.url) as count:
         torch.testing.assert_close(compiled(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
     assert count.of(MLP) == LAYERS, count.calls
-    ref_l, virt_l = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)
+    ref_l, virt_l = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), unit_calls_executor.url)
     ref_l(input_ids=ids(), labels=ids()).loss.backward()
-    with CallCount(executor.url) as count:
+    with CallCount(unit_calls_executor.url) as count:
         torch.compile(virt_l, backend="aot_eager")(input_ids=ids(), labels=ids()).loss.backward()
     assert count.of(MLP) == 2 * LAYERS, count.calls
     assert_grads_close(lora_grads(ref_l), lora_grads(virt_l))
