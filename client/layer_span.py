@@ -129,10 +129,12 @@ class SpanUnit(UnitRef):
         call the custom op (no waste count: the compiled code runs as traced)."""
         t, serial = self._traced, trace_serial()  # (each hand-over taken by this trace alone)
         t.r, t.carry = (serial, h), None
-        h2 = layer_forward(h, *args, **kwargs)
-        t.r = None
-        TRACED.gives.pop(id(self.norms[0]), None)
-        TRACED.gives.pop(id(getattr(self.layer, layer_span.MLP)), None)
+        try:
+            h2 = layer_forward(h, *args, **kwargs)
+        finally:
+            t.r = None
+            TRACED.gives.pop(id(self.norms[0]), None)
+            TRACED.gives.pop(id(getattr(self.layer, layer_span.MLP)), None)
         carry, t.carry = t.carry, None
         if carry is not None and carry[0] == serial and carry[1] and self.next is not None:
             n1, qkv = carry[1]

@@ -175,8 +175,17 @@ def confirm_when_backward_ends(transport) -> None:
 
 
 def tracing() -> bool:
-    """Whether torch.compile or torch.jit is tracing: they see the custom ops, eager code the twins."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    """Whether torch.compile or torch.jit is tracing this code: they see the custom ops, eager code
+    the twins. (torch.compiler.is_compiling() alone is true in every thread while any thread
+    compiles: other threads' eager code then asked _this_thread_traces.)"""
+    return (torch.compiler.is_compiling() and _this_thread_traces()) or torch.jit.is_tracing()
+
+
+@torch.compiler.assume_constant_result
+def _this_thread_traces() -> bool:
+    """Whether Dynamo traces on this thread now (its tracing context is per thread); a constant in
+    traced code."""
+    return torch._guards.TracingContext.try_get() is not None
 
 
 def records(x: torch.Tensor) -> bool:

@@ -528,3 +528,45 @@ def test_a_compiled_model_with_graph_breaks_shared_by_threads_stays_exact():
         for t in threads:
             t.join(120)
         assert not failures, failures
+
+
+def test_eager_threads_keep_their_spans_while_another_thread_compiles():
+    """torch.compiler.is_compiling() is true in every thread while any thread compiles: threads
+    decoding eagerly with one model meanwhile still take their own hand-overs (shim.tracing asks
+    whether this thread traces) and get the unsplit logits, with no error."""
+    import threading
+    import time
+
+    xs = [ids(1, 7 + i) for i in range(2)]
+    with running_executor("tiny-llama", "--layer-spans") as ex:
+        ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), ex.url)
+        with torch.no_grad():
+            want = [ref(input_ids=x).logits for x in xs]
+        stop, failures, runs = threading.Event(), [], [0, 0]
+
+        def decode(i):
+            with torch.no_grad():
+                while not stop.is_set():
+                    try:
+                        got = virt(input_ids=xs[i]).logits
+                        if not torch.equal(got, want[i]):
+                            failures.append((i, (got - want[i]).abs().max().item()))
+                    except Exception as e:  # (reported below)
+                        failures.append((i, repr(e)))
+                    runs[i] += 1
+
+        def slow_backend(gm, inputs):  # (keeps Dynamo's compile flag up a while)
+            time.sleep(0.05)
+            return gm
+
+        threads = [threading.Thread(target=decode, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        with Calls(ex.url) as calls:
+            for k in range(30):
+                torch.compile(lambda x, k=k: x.cos() * k, backend=slow_backend)(torch.randn(4))
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not failures, failures[:5]
+        assert min(runs) > 0 and calls.spans() > 0, (runs, calls.by_unit)
