@@ -64,7 +64,7 @@ class SpanUnit(UnitRef):
         self._adapter = o_shim._adapter or (group._adapter if group is not None else 0)
         self.enabled, self.wasted = True, 0
         self._now = _Now()
-        self._traced = _TracedNow()  # (while torch.compile traces: the same, one thread)
+        self._traced = _TracedNow()  # (while torch.compile traces: the same, each entry tagged with its trace)
         self._register()
 
     # ---- whether the span stands for the layer now --------------------------------
@@ -169,7 +169,7 @@ class SpanUnit(UnitRef):
         return (o, *out[1:]) if isinstance(out, tuple) else o
 
     def _input(self, a, r, d):
-        """The call's input rows [a, r, d1, d2, d3, w2, w1] and the leading shape of r."""
+        """The call's input rows [a, r, d, w2, w1] (d: the delta's bytes, delta_bits) and the leading shape of r."""
         lead, rows = r.shape[:-1], r.reshape(-1, r.shape[-1])
         if self.layer._modules["self_attn"]._modules.get("o_proj") is self.o_shim:  # (no adapter: d is zeros)
             bits = torch.zeros(rows.shape[0], layer_span.delta_width(rows.shape[1], self._dtype), dtype=self._dtype, device=rows.device)
