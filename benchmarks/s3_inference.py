@@ -71,9 +71,9 @@ def main() -> int:
                                               a.seconds, on_go=on_go)
             for spy in spies:
                 fleet.wait_spy(spy, a.seconds)
-                from s6_profile import top_frames
+                from s6_profile import top_frames, waits
 
-                print("process 0:\n" + top_frames(spy_path, fleet.REPO), flush=True)
+                print("process 0:\n" + top_frames(spy_path, fleet.REPO) + "\nprocess 0, its main thread:\n" + waits(spy_path), flush=True)
             rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
             if n in profile_ns:
@@ -108,10 +108,11 @@ def main() -> int:
                 for spy in spies:
                     fleet.wait_spy(spy, a.seconds)
                 if spies:
-                    from s6_profile import top_frames
+                    from s6_profile import top_frames, waits
 
                     print("executor, its data loop:\n" + top_frames(spy_paths[0], fleet.REPO, within="_data_loop"), flush=True)
                     print("tenant 0:\n" + top_frames(spy_paths[1], fleet.REPO), flush=True)
+                    print("tenant 0, its main thread:\n" + waits(spy_paths[1]), flush=True)
                 row(n, f"symbiont {policy}", res, base, peak, before, after)
                 if a.hosted:  # the same tenants with their adapters hosted by the executor
                     before = fleet.executor_stats(url)

@@ -132,6 +132,33 @@ def profile_round_trip(model_dir: str, tokens: int, seconds: float, out: pathlib
 OUR_PACKAGES = ("base_executor", "client", "proto", "symbiont")
 
 
+WAITS = (  # (a name, a piece of the innermost frame): where a decoding worker's main thread waits
+    ("generate's stop check (a GPU sync each token)", "__call__ (transformers/generation/utils.py"),
+    ("the attention mask's .all() (a GPU sync after the embedding call)", "_ignore_causal_mask_sdpa"),
+    ("the attention mask's .all() (a GPU sync after the embedding call)", "fast_all"),
+    ("the forward's confirm (the executor's replies)", "_sleep (client/transports/local.py"),
+)
+
+
+def waits(path: pathlib.Path, thread: str = "fleet_worker") -> str:
+    """The shares of a decoding worker's main thread (stacks through `thread`) spent at the waits
+    of WAITS, from py-spy's collapsed stacks, and the rest (its own host work)."""
+    if not path.exists():
+        return "(no samples)"
+    shares, total = collections.Counter(), 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit() or thread not in stack:
+            continue
+        total += int(count)
+        leaf = stack.rsplit(";", 1)[-1]
+        name = next((n for n, piece in WAITS if piece in leaf), "its own work (Python, launches)")
+        shares[name] += int(count)
+    if not total:
+        return "(no samples of the main thread)"
+    return "\n".join(f"{100 * c / total:6.1f}%  {name}" for name, c in shares.most_common())
+
+
 def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, within: str = "") -> str:
     """Share of samples per frame from py-spy's collapsed stacks: own (leaf) and inclusive; with
     `within`, only the stacks holding a frame of that name (one thread's loop)."""
