@@ -33,7 +33,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, trace_serial, tracing, unit_call
+from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, constant_in_traces, handed, trace_serial, tracing, unit_call
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
 from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
@@ -225,7 +225,7 @@ class _Now(threading.local):
         self.r, self.carry = None, None
 
 
-@torch.compiler.assume_constant_result  # (while Dynamo traces: decided at trace time; it cannot read a function's name)
+@constant_in_traces  # (while Dynamo traces: decided at trace time; it cannot read a function's name)
 def _hooked(module: nn.Module) -> bool:
     """Whether a module has a hook of its own that its forward would run, transformers' output
     recorders aside: they only read what a module returns, and stay once installed (a part a span

@@ -181,7 +181,17 @@ def tracing() -> bool:
     return (torch.compiler.is_compiling() and _this_thread_traces()) or torch.jit.is_tracing()
 
 
-@torch.compiler.assume_constant_result
+def constant_in_traces(fn):
+    """torch.compiler.assume_constant_result(fn): Dynamo calls fn as it traces and bakes the result
+    into the graph. The mark it sets, set here: that function imports torch._dynamo, which imports
+    Triton, and Triton's CPU interpreter must be chosen before Triton's first import
+    (tests/test_atmm.py); importing it costs every process's start too. tests/test_layer_span.py
+    checks that the mark is still torch's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_in_traces
 def _this_thread_traces() -> bool:
     """Whether Dynamo traces on this thread now (its tracing context is per thread); a constant in
     traced code."""
@@ -238,7 +248,7 @@ TRACED = _Traced()
 _SERIALS = itertools.count(1)
 
 
-@torch.compiler.assume_constant_result
+@constant_in_traces
 def trace_serial() -> int:
     """The graph Dynamo is tracing now, as a number baked into its code. What one trace leaves in
     TRACED is never taken by another: across a graph break Dynamo replays the writes at run time,

@@ -10,8 +10,12 @@ import sys
 import uuid
 
 import pytest
+import torch
 
-from symbiont import wait_for_executor
+if not torch.cuda.is_available():  # (before any test module imports Triton, as peft and torch._dynamo do)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's kernels run in its CPU interpreter (tests/test_atmm.py)
+
+from symbiont import wait_for_executor  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()

@@ -570,3 +570,16 @@ def test_eager_threads_keep_their_spans_while_another_thread_compiles():
             t.join(60)
         assert not failures, failures[:5]
         assert min(runs) > 0 and calls.spans() > 0, (runs, calls.by_unit)
+
+
+def test_the_functions_dynamo_takes_as_constants_carry_torchs_mark():
+    """shim.constant_in_traces sets the mark torch.compiler.assume_constant_result sets (without
+    importing torch._dynamo): if torch changes how it marks, this fails."""
+    from symbiont.client import shim
+
+    def probe():
+        return 0
+
+    assert vars(torch.compiler.assume_constant_result(probe)) == vars(shim.constant_in_traces(lambda: 0))
+    for fn in (shim.trace_serial, shim._this_thread_traces, layer_span._hooked):
+        assert getattr(fn, "_dynamo_marked_constant", False), fn
