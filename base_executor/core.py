@@ -103,6 +103,30 @@ def span_deltas(calls: list[Call]) -> list | None:
     return found
 
 
+def add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
+    """Each call's hosted adapter on its own rows of a batch, y its result for x (one call run
+    alone too, graphs.py); the calls naming one adapter get it in one pass over their rows
+    together (the provider's adapter named by many tenants). A span's are added inside it
+    (span_deltas)."""
+    if calls[0].unit.kind == SPAN:
+        return
+    rows: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # id(delta) -> (delta, its calls' rows [a, b))
+    start = 0
+    for c in calls:
+        if c.adapter is not None and c.tokens:
+            rows.setdefault(id(c.adapter), (c.adapter, []))[1].append((start, start + c.tokens))
+        start += c.tokens
+    for delta, spans in rows.values():
+        if len(spans) == 1:
+            (a, b), = spans
+            delta.add_to(calls[0].op, x[a:b], y[a:b])
+            continue
+        idx = torch.cat([torch.arange(a, b, device=x.device) for a, b in spans])
+        ys = y.index_select(0, idx)
+        delta.add_to(calls[0].op, x.index_select(0, idx), ys)
+        y.index_copy_(0, idx, ys)
+
+
 class ExecutorCore:
     def __init__(self, table: UnitTable, dtype: torch.dtype, device: torch.device, config: SchedulerConfig):
         self.table = table
@@ -293,11 +317,11 @@ class ExecutorCore:
                 if c.graphs is not None:
                     return [Result(c, c.graphs.run(c, exact))]
                 y = self._gemm(c.unit, c.op, c.x, exact, c.out, span_deltas(calls))
-                self._add_adapters(calls, c.x, y)
+                add_adapters(calls, c.x, y)
                 return [Result(c, y.view(c.out_shape))]
             x = torch.cat([c.x for c in calls])  # [tokens, d_in]
             y = self._gemm(calls[0].unit, calls[0].op, x, exact, None, span_deltas(calls))
-            self._add_adapters(calls, x, y)
+            add_adapters(calls, x, y)
         except Exception as e:  # never lose the others' calls to one bad one: retry each alone
             if len(calls) > 1 and not isinstance(e, Unavailable):
                 return [r for c in calls for r in self._run([c])]
@@ -307,29 +331,6 @@ class ExecutorCore:
             results.append(Result(c, y[start : start + c.tokens].view(c.out_shape)))
             start += c.tokens
         return results
-
-    @staticmethod
-    def _add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
-        """Each call's hosted adapter on its own rows of a batch; the calls naming one adapter get it
-        in one pass over their rows together (the provider's adapter named by many tenants). A
-        span's are added inside it (span_deltas)."""
-        if calls[0].unit.kind == SPAN:
-            return
-        rows: dict[int, tuple[object, list[tuple[int, int]]]] = {}  # id(delta) -> (delta, its calls' rows [a, b))
-        start = 0
-        for c in calls:
-            if c.adapter is not None and c.tokens:
-                rows.setdefault(id(c.adapter), (c.adapter, []))[1].append((start, start + c.tokens))
-            start += c.tokens
-        for delta, spans in rows.values():
-            if len(spans) == 1:
-                (a, b), = spans
-                delta.add_to(calls[0].op, x[a:b], y[a:b])
-                continue
-            idx = torch.cat([torch.arange(a, b, device=x.device) for a, b in spans])
-            ys = y.index_select(0, idx)
-            delta.add_to(calls[0].op, x.index_select(0, idx), ys)
-            y.index_copy_(0, idx, ys)
 
     def _fail(self, calls: list[Call], e: Exception) -> list[Result]:
         log.exception("running %s failed", calls[0].unit.id)

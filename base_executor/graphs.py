@@ -23,7 +23,7 @@ import torch
 
 from symbiont.base_executor import runner
 from symbiont.base_executor.catalog import CONV1D, LINEAR, MLP, SPAN
-from symbiont.base_executor.core import span_deltas
+from symbiont.base_executor.core import add_adapters, span_deltas
 from symbiont.base_executor.scheduler import Call
 from symbiont.proto import executor_pb2 as pb
 
@@ -46,13 +46,10 @@ class _Entry:
 
 
 def _compute(call: Call, exact: bool) -> torch.Tensor:
-    """call's result into call.out: the unit's op, then the hosted adapter's term when it names one
-    (a span's: inside it)."""
-    if call.unit.kind == SPAN:
-        return runner.run(call.unit, call.op, call.x, exact, call.out, span_deltas([call]))
-    y = runner.run(call.unit, call.op, call.x, exact, call.out)
-    if call.adapter is not None:
-        call.adapter.add_to(call.op, call.x, y)
+    """call's result into call.out: the unit's op and the hosted adapter's term when it names one,
+    as core's calls run alone."""
+    y = runner.run(call.unit, call.op, call.x, exact, call.out, span_deltas([call]))
+    add_adapters([call], call.x, y)
     return y
 
 

@@ -140,20 +140,28 @@ WAITS = (  # (a name, a piece of the innermost frame): where a decoding worker's
 )
 
 
+def _stacks(path: pathlib.Path, within: str = ""):
+    """(frames, samples) of each stack in py-spy's collapsed stacks at `path`; with `within`, only
+    the stacks holding a frame of that name (one thread's)."""
+    for line in path.read_text(errors="replace").splitlines():  # (a sampler killed mid-write can leave broken bytes)
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = [f.strip() for f in stack.split(";") if f.strip()]
+        if frames and (not within or any(within in f for f in frames)):
+            yield frames, int(count)
+
+
 def waits(path: pathlib.Path, thread: str = "fleet_worker") -> str:
     """The shares of a decoding worker's main thread (stacks through `thread`) spent at the waits
     of WAITS, from py-spy's collapsed stacks, and the rest (its own host work)."""
     if not path.exists():
         return "(no samples)"
     shares, total = collections.Counter(), 0
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit() or thread not in stack:
-            continue
-        total += int(count)
-        leaf = stack.rsplit(";", 1)[-1]
-        name = next((n for n, piece in WAITS if piece in leaf), "its own work (Python, launches)")
-        shares[name] += int(count)
+    for frames, c in _stacks(path, thread):
+        total += c
+        name = next((n for n, piece in WAITS if piece in frames[-1]), "its own work (Python, launches)")
+        shares[name] += c
     if not total:
         return "(no samples of the main thread)"
     return "\n".join(f"{100 * c / total:6.1f}%  {name}" for name, c in shares.most_common())
@@ -165,14 +173,7 @@ def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, withi
     if not path.exists():
         return "(no samples: is py-spy installed and allowed to ptrace?)"
     own, incl, total = collections.Counter(), collections.Counter(), 0
-    for line in path.read_text(errors="replace").splitlines():  # (a sampler killed mid-write can leave broken bytes)
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        frames = [f.strip() for f in stack.split(";") if f.strip()]
-        if not frames or (within and not any(within in f for f in frames)):
-            continue
-        c = int(count)
+    for frames, c in _stacks(path, within):
         total += c
         own[frames[-1]] += c
         for f in set(frames):

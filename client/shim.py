@@ -177,8 +177,8 @@ def confirm_when_backward_ends(transport) -> None:
 def tracing() -> bool:
     """Whether torch.compile or torch.jit is tracing this code: they see the custom ops, eager code
     the twins. (torch.compiler.is_compiling() alone is true in every thread while any thread
-    compiles: other threads' eager code then asked _this_thread_traces.)"""
-    return (torch.compiler.is_compiling() and _this_thread_traces()) or torch.jit.is_tracing()
+    compiles: a thread traces where it has a tracing context of its own, trace_serial.)"""
+    return (torch.compiler.is_compiling() and trace_serial() != 0) or torch.jit.is_tracing()
 
 
 def constant_in_traces(fn):
@@ -189,13 +189,6 @@ def constant_in_traces(fn):
     checks that the mark is still torch's."""
     fn._dynamo_marked_constant = True
     return fn
-
-
-@constant_in_traces
-def _this_thread_traces() -> bool:
-    """Whether Dynamo traces on this thread now (its tracing context is per thread); a constant in
-    traced code."""
-    return torch._guards.TracingContext.try_get() is not None
 
 
 def records(x: torch.Tensor) -> bool:
@@ -250,7 +243,8 @@ _SERIALS = itertools.count(1)
 
 @constant_in_traces
 def trace_serial() -> int:
-    """The graph Dynamo is tracing now, as a number baked into its code. What one trace leaves in
+    """The graph Dynamo is tracing now on this thread (its tracing context is per thread), as a
+    number baked into its code; 0 where this thread traces nothing. What one trace leaves in
     TRACED is never taken by another: across a graph break Dynamo replays the writes at run time,
     where threads sharing a compiled model would take each other's."""
     ctx = torch._guards.TracingContext.try_get()

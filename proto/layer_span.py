@@ -104,7 +104,7 @@ def delta_bits(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def delta_of(bits: torch.Tensor) -> torch.Tensor:
     """The float32 d that delta_bits carried in `bits` (a column slice of a call's input)."""
-    bits = bits.contiguous()
-    if bits.storage_offset() % (4 // bits.element_size()) or any(st % (4 // bits.element_size()) for st in bits.stride()[:-1]):
+    bits, per_value = bits.contiguous(), 4 // bits.element_size()
+    if bits.storage_offset() % per_value or any(st % per_value for st in bits.stride()[:-1]):
         bits = bits.clone(memory_format=torch.contiguous_format)  # (a slice at an odd place of an odd-width row, which one row leaves as it is)
     return bits.view(torch.float32)

@@ -581,5 +581,5 @@ def test_the_functions_dynamo_takes_as_constants_carry_torchs_mark():
         return 0
 
     assert vars(torch.compiler.assume_constant_result(probe)) == vars(shim.constant_in_traces(lambda: 0))
-    for fn in (shim.trace_serial, shim._this_thread_traces, layer_span._hooked):
+    for fn in (shim.trace_serial, layer_span._hooked):
         assert getattr(fn, "_dynamo_marked_constant", False), fn
