@@ -134,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
+        ids_on_host=args.ids_on_host,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -486,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--solo-tokens", type=int, default=1, help="same GPU: a call of at least this many tokens runs at "
                    "once on its tenant's own stream, never waiting for a batch (the tenants' streams overlap on the "
                    "GPU); default 1: every call; N > 1 batches the smaller ones; 0: only a lone tenant's calls run so")
+    s.add_argument("--ids-on-host", action="store_true", help="same GPU: check a tenant's embedding ids on the host "
+                   "before the lookup, as before session 41 (by default they are looked up clamped on the GPU and the "
+                   "tenant's transport checks them; for comparisons)")
     s.add_argument("--gpu-batches", action="store_true", help="same GPU: a call not run at once on its tenant's "
                    "stream (see --solo-tokens) is queued for a batch before its input is in, the batch waiting on the GPU "
                    "for every member's input (by default it waits on the host until its input is in); tenants whose "

@@ -22,7 +22,7 @@ import logging
 import torch
 
 from symbiont.base_executor import runner
-from symbiont.base_executor.catalog import CONV1D, LINEAR, MLP, SPAN
+from symbiont.base_executor.catalog import CONV1D, EMBEDDING, LINEAR, MLP, SPAN
 from symbiont.base_executor.core import add_adapters, span_deltas
 from symbiont.base_executor.scheduler import Call
 from symbiont.proto import executor_pb2 as pb
@@ -129,7 +129,7 @@ class CallGraphs:
         return self._pool
 
     def _capturable(self, call: Call) -> bool:
-        if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, MLP, SPAN):
+        if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, EMBEDDING, MLP, SPAN):
             return False
         # an activation without a backward op of its own is differentiated by autograd
         return not (call.unit.kind == MLP and call.op == pb.BACKWARD and call.unit.act_backward is None)

@@ -16,8 +16,11 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
         span_deltas: list | None = None) -> torch.Tensor:
     """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; MLP BACKWARD: [x, grad_y] side by
     side, [tokens, 2 * hidden]; embedding: ids [tokens]).
-    out: None, or [tokens, d_out] where a linear or conv1d result is written (a tenant's output
-    mailbox: no copy afterwards); the result is returned either way.
+    out: None, or [tokens, d_out] where the result is written (a tenant's output mailbox: no copy
+    afterwards); the result is returned either way.
+    Embedding ids are looked up clamped to the table's rows: ids the executor did not check (a
+    same-GPU tenant's, which its transport checks: client/transports/ids.py) read a row of the
+    table, never memory beyond it.
     span_deltas: a span unit's hosted adapters, [(first row, end row, adapters.SpanDelta)] (any
     other unit's are added to its result by the caller).
 
@@ -51,8 +54,9 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
     elif unit.kind == SPAN and op == pb.FORWARD:
         return _span(unit, x, exact, out, span_deltas or ())
     elif unit.kind == EMBEDDING:
-        if op == pb.FORWARD:
-            return F.embedding(x, w, unit.padding_idx)
+        if op == pb.FORWARD:  # (F.embedding's forward is this index_select: bitwise the module's rows)
+            ids = x.clamp(0, w.shape[0] - 1)  # ids no one checked (a tenant's GPU memory) never read out of bounds
+            return torch.index_select(w, 0, ids, out=out)
     raise ValueError(f"unit {unit.id} ({unit.kind}) does not support {pb.Op.Name(op)}")
 
 

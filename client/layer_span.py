@@ -33,7 +33,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, constant_in_traces, handed, trace_serial, tracing, unit_call
+from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, trace_serial, tracing, unit_call
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
 from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
@@ -225,14 +225,16 @@ class _Now(threading.local):
         self.r, self.carry = None, None
 
 
-@constant_in_traces  # (while Dynamo traces: decided at trace time; it cannot read a function's name)
 def _hooked(module: nn.Module) -> bool:
     """Whether a module has a hook of its own that its forward would run, transformers' output
     recorders aside: they only read what a module returns, and stay once installed (a part a span
     stands for is still called and returns its true output; o_proj, which gives zeros, is checked
-    for any hook)."""
+    for any hook). While Dynamo traces, any hook counts: it reads no function's name, and a
+    function it takes as a constant may not take a module (torch 2.11 refuses)."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return any(hooks) and any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
+    if not any(hooks):
+        return False
+    return tracing() or any(not getattr(f, "__qualname__", "").endswith("output_capturing_hook") for h in hooks for f in h.values())
 
 
 def _plain_or_lora(module, shim: VirtLayer) -> bool:

@@ -38,6 +38,7 @@ class Transport(abc.ABC):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one call in flight per tenant
         self.budget_us = 0  # every call's latency budget (connect(..., latency_budget_ms=)); 0: none
+        self.embedding_rows: dict[str, int] = {}  # a GPU tenant's: the served embeddings' rows (client/transports/ids.py)
 
     # ---- backend --------------------------------------------------------------
 
@@ -103,8 +104,10 @@ class Transport(abc.ABC):
         own GPU or a peer of ours; sets area_device), else ""."""
         from symbiont.proto.cuda_ipc import mappable_device
 
-        served_on = self.control("catalog", pb.CatalogRequest()).catalog.device_uuid
+        catalog = self.control("catalog", pb.CatalogRequest()).catalog
+        served_on = catalog.device_uuid
         self.area_device = mappable_device(served_on, self.device)
+        self.embedding_rows = {u.id: u.in_features for u in catalog.units if u.kind == "embedding"}
         return served_on if self.area_device is not None else ""
 
     @property

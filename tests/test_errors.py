@@ -278,6 +278,42 @@ def test_bad_call_fails_only_that_call(ex, observer, reference, case):
         good.carries_on()
 
 
+def test_ids_the_executor_did_not_check_are_looked_up_clamped():
+    """runner.run's embedding: good ids bitwise F.embedding's rows (written into `out` when given),
+    ids outside the table read its first or last row, never memory beyond it (a same-GPU tenant's
+    ids reach it unchecked: client/transports/ids.py checks them on the tenant's side)."""
+    from symbiont.base_executor import runner
+    from symbiont.base_executor.catalog import UnitTable
+
+    model = build_builtin(MODEL)
+    unit = UnitTable(model).get(EMBED)
+    table = model.get_input_embeddings().weight.detach()
+    good = torch.randint(0, 256, (40,))
+    out = torch.empty(40, 64)
+    y = runner.run(unit, pb.FORWARD, good, out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.equal(y, torch.nn.functional.embedding(good, table))
+    bad = torch.tensor([-5, 0, 255, 256, 2**40])
+    assert torch.equal(runner.run(unit, pb.FORWARD, bad), table[[0, 0, 255, 255, 255]])
+
+
+def test_a_tenants_ids_checks():
+    """IdsChecks (the tenant's side of ids sent to a GPU data area): ids in host memory raise at
+    once with the executor's message; other units and hosted adapters' calls (UNIT@ID) are looked
+    up by their unit; units it does not know pass (the executor answers for them)."""
+    from symbiont.client.transports.ids import IdsChecks, ids_error
+
+    checks = IdsChecks({EMBED: 256})
+    checks.check_now(EMBED, torch.tensor([[0, 255]]))
+    checks.check_now(EMBED, torch.empty(0, dtype=torch.int64))
+    checks.check_now("model.unknown", torch.tensor([1000]))
+    for bad, got in (([[1, 256]], r"\[1, 256\]"), ([[-1, 3]], r"\[-1, 3\]")):
+        for unit in (EMBED, EMBED + "@3"):
+            with pytest.raises(InvalidCallError, match=r"ids for .*embed_tokens.* must lie in \[0, 256\), got " + got):
+                checks.check_now(unit, torch.tensor(bad))
+    assert not checks.pending
+    assert ids_error(EMBED, 256, 0, 255) is None and isinstance(ids_error(EMBED, 256, 0, 256), InvalidCallError)
+
+
 RAW_HEADERS = {
     # case: (CallRequest fields over a valid Q call, the codes the executor may answer)
     "negative dim": (dict(shape=[-1, 64]), {pb.INVALID_ARGUMENT}),

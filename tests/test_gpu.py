@@ -963,26 +963,59 @@ def test_host_waits_take_in_a_fresh_process(mode):
 
 
 @pytest.mark.parametrize("where", ["cuda:0", "cpu"])
-def test_embedding_ids_out_of_range_on_a_gpu_executor(where):
-    """A GPU executor checks a call's ids on a stream of their own (same-GPU tenant) or on the host
-    (CPU tenant): ids beyond the vocabulary or negative get InvalidCallError, good ids the rows."""
+@pytest.mark.parametrize("early", [False, True])
+def test_embedding_ids_out_of_range_on_a_gpu_executor(where, early):
+    """Ids beyond the vocabulary or negative get InvalidCallError, good ids the rows, and the
+    executor serves on. A CPU tenant's ids are checked by the executor on its host; a same-GPU
+    tenant's are looked up clamped on the executor's GPU and checked by its transport: at once
+    for a call that waits for its reply, at confirm() for one that returns early."""
     from symbiont import connect
     from symbiont.errors import InvalidCallError
     from symbiont.proto import executor_pb2 as pb
 
     with running_executor("tiny-llama", "--device", "cuda:0") as ex, connect(ex.url) as conn:
         conn.ensure_attached(where)
-        conn.transport.return_early = False  # (a same-GPU call's refusal raises at once, not at the next call)
+        conn.transport.return_early = early
         table = build_builtin("tiny-llama").get_input_embeddings().weight.detach().to(where)
-        for bad in ([[1, 256]], [[-1, 3]]):
+        for bad in ([[1, 256]], [[-1, 3]], [[300, -7]]):
             with pytest.raises(InvalidCallError, match=r"\[0, 256\)"):
                 conn.transport.call("model.embed_tokens", pb.FORWARD, torch.tensor(bad, device=where), (1, 2, 64),
                                     torch.float32, pb.INFERENCE)
+                conn.transport.confirm()
         for n in (1, 5, 300):  # (each served after the refusals, and a prefill's worth)
             x = torch.randint(0, 256, (1, n), device=where)
             y = conn.transport.call("model.embed_tokens", pb.FORWARD, x, (1, n, 64), torch.float32, pb.INFERENCE)
+            conn.transport.confirm()
             torch.cuda.synchronize()
             assert torch.equal(y, table[x])
+
+
+def test_a_same_gpu_tenants_bad_ids_fail_its_forward_alone():
+    """A virtualized model's forward with an id beyond the vocabulary raises InvalidCallError at its
+    end (the executor looked the ids up clamped), the next forward is exact, another tenant's
+    decode is unaffected, and a lone tenant's embedding calls never went through the executor's
+    queues (no host read of their ids)."""
+    from symbiont import connect
+    from symbiont.errors import InvalidCallError
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        ref = build_builtin("tiny-llama").cuda()
+        virt = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        x = ids(1, 9).cuda()
+        with torch.no_grad():
+            for _ in range(4):
+                torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
+            with connect(ex.url) as observer:
+                paths = dict(observer.stats().call_paths)
+            assert not {"queued, input in", "held, then queued"} & set(paths), paths
+            bad = x.clone()
+            bad[0, 3] = 256
+            with pytest.raises(InvalidCallError, match=r"\[0, 256\), got \[\d+, 256\]"):
+                virt(bad)
+            torch.testing.assert_close(virt(x).logits, ref(x).logits, rtol=1e-4, atol=1e-4)
+            other = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+            torch.testing.assert_close(other.generate(x, max_new_tokens=6, do_sample=False),
+                                       ref.generate(x, max_new_tokens=6, do_sample=False))
 
 
 def test_same_gpu_tenant_trains_after_inference_mode():

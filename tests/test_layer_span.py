@@ -581,5 +581,6 @@ def test_the_functions_dynamo_takes_as_constants_carry_torchs_mark():
         return 0
 
     assert vars(torch.compiler.assume_constant_result(probe)) == vars(shim.constant_in_traces(lambda: 0))
-    for fn in (shim.trace_serial, layer_span._hooked):
-        assert getattr(fn, "_dynamo_marked_constant", False), fn
+    assert getattr(shim.trace_serial, "_dynamo_marked_constant", False)
+    # (a marked function may take no module: torch 2.11's Dynamo refuses a module as a constant's argument)
+    assert not getattr(layer_span._hooked, "_dynamo_marked_constant", False)

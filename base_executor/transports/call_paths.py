@@ -5,7 +5,7 @@ Same-GPU calls: served by the tenant's native lane (LATE counts those of them wh
 already when the lane queued them: the tenant's GPU had waited for our host), run at once on the
 tenant's own stream (OWN; HELD_OWN after waiting on the host behind a queued call of the tenant),
 held until their input was in and then queued for the scheduler (HELD_QUEUED), queued with their
-input in (QUEUED: embeddings, whose ids are checked on the host), or queued before it (AHEAD,
+input in (QUEUED), or queued before it (AHEAD,
 `serve --gpu-batches`). Other tenants' calls: from a host mailbox (MAILBOX: CPU tenants), or from a
 remote transport (REMOTE: gRPC).
 """

@@ -87,6 +87,12 @@ class LocalServerConfig:
     tokens batched in Python (benchmarks/RESULTS.md, S3); a batch only pays once its GEMMs save more
     GPU time than the batching costs the data loop."""
 
+    ids_on_host: bool = False
+    """Whether a same-GPU tenant's embedding ids are checked on the host before their lookup (a
+    host synchronisation in the data loop, every tenant's, at each decoding token's start; its
+    calls are then queued, never taken on its stream) instead of looked up clamped on the GPU and
+    checked by the tenant's transport (client/transports/ids.py). For comparisons."""
+
     gpu_batches: bool = False
     """Whether a same-GPU call that is not taken at once on its tenant's own stream (see
     solo_tokens) is queued for a batch before its input is in, the batch's stream waiting on the
@@ -399,9 +405,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
 
     def _gpu_may_wait(self, t: Tenant, req: pb.CallRequest) -> bool:
         """Whether a stream of ours may wait on the GPU for this same-GPU call's input (the tenant's
-        own stream is set up for it, and its input is not embedding ids, which are checked on the host)."""
+        own stream is set up for it, and its input is not embedding ids to be checked on the host)."""
         if not (self.config.gpu_waits and req.input_seq and t.areas.stream is not None):
             return False
+        if not self.config.ids_on_host:
+            return True
         unit = self.core.table.get(req.unit)
         return unit is not None and unit.kind != "embedding"
 
@@ -418,7 +426,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
     def _queue_ahead(self, t: Tenant, req: pb.CallRequest) -> bool:
         """Queues a same-GPU call whose input is not in yet for a batch (gpu_batches): its batch's
         stream waits on the GPU for the input (_wait_input). False when it must be held on the host
-        instead (an embedding, whose ids are checked on the host; no GPU waits)."""
+        instead (no GPU waits)."""
         # (warm: its batches run on a stream of its own, _pick_stream)
         if not (self.config.gpu_batches and t.areas.warm and self._gpu_may_wait(t, req)):
             return False

@@ -64,8 +64,8 @@ class LocalCalls:
         area = t.area
         x = area.view(req.in_offset, in_shape, dtype)
         out = graphs = None
-        if unit.kind == "embedding":  # the ids checked must be the ids looked up: the tenant can rewrite its mailbox
-            x = self.core.checked_ids(unit, x)  # (a copy)
+        if unit.kind == "embedding" and (x.device.type == "cpu" or self.config.ids_on_host):  # (else looked up clamped: runner.run)
+            x = self.core.checked_ids(unit, x)  # (a copy: the ids checked must be the ids looked up)
         elif x.device != self.core.device:
             x = x.to(self.core.device, non_blocking=bool(t.areas.pinned))  # a copy, DMA when page-locked
         else:  # a call run alone writes straight into the output mailbox

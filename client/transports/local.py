@@ -26,6 +26,7 @@ from symbiont.client.errors import (
 )
 from symbiont.client.transport import Transport
 from symbiont.client.transports.control import ControlChannel
+from symbiont.client.transports.ids import IdsChecks
 from symbiont.client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
 from symbiont.client.transports.unanswered import Sent, Unanswered, reply_error
 from symbiont.client.transports.words import StreamOrder, start_watchdog
@@ -67,6 +68,7 @@ class LocalTransport(LocalCalls, Transport):
         self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
         self._failures = 0  # the mailbox's count of failure replies when replies were last taken
+        self._id_checks: IdsChecks | None = None  # the checks of embedding ids sent to a data area on a GPU
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -112,6 +114,10 @@ class LocalTransport(LocalCalls, Transport):
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
         self._plans, self._failures = {}, 0
+        if order is not None:
+            if self._id_checks is None:
+                self._id_checks = IdsChecks(self.embedding_rows)
+            self._id_checks.rows = self.embedding_rows  # (of the executor attached to now)
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
@@ -189,6 +195,12 @@ class LocalTransport(LocalCalls, Transport):
         elif unanswered.busy:  # the replies that came; raises an earlier call's failure
             elsewhere = self._order is not None and x.device != self._order.device
             self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
+        ids = self._id_checks if self._order is not None and x.dtype == torch.int64 else None
+        if self._id_checks is not None and self._id_checks.pending:
+            self._id_checks.raise_done()  # an earlier call's ids, when their bounds are in
+        if ids is not None and not x.is_cuda:
+            ids.check_now(unit, x)
+            ids = None
         key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
         plan = self._plans.get(key)
         if plan is None:
@@ -197,7 +209,10 @@ class LocalTransport(LocalCalls, Transport):
                 return self._call_in_rows(unit, op, x, out_shape, out_dtype, latency, take, chunk)
             plan = self._plan(key, x)  # (a grow maps another mailbox)
         if native and self._lane is not None:
-            return self._send(x, plan, key, take)
+            result = self._send(x, plan, key, take)
+            if ids is not None:
+                ids.queue(unit, x)
+            return result
         x = x.detach().contiguous()
         request = self._request(unit, op, x, latency, next(self._ids))
         in_bytes = mailbox.align(plan.in_nbytes)
@@ -238,6 +253,8 @@ class LocalTransport(LocalCalls, Transport):
             elif not early:  # (an early call's reply and any release are the unanswered calls')
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
+        if ids is not None:  # (behind the call, on the stream that sent it)
+            ids.queue(unit, x)
         if early:  # (the copy out is queued behind the wait)
             result = self._take(plan.out, stream, take)
             if len(self._unanswered) >= MAX_UNANSWERED:
@@ -253,6 +270,8 @@ class LocalTransport(LocalCalls, Transport):
             if reply.status.code != pb.OK:
                 self._release_failed(request.call_id, seq)
             raise failure
+        if ids is not None:  # a call that waits for its reply raises its ids' failure at once too
+            ids.raise_done(wait=True)
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if order is not None:  # our stream waits for the executor's writes; the host does not
             order.wait_result(stream, seq)
@@ -312,6 +331,8 @@ class LocalTransport(LocalCalls, Transport):
             self._finish_outstanding()
         if self._box is not None and self._unanswered.busy:
             self._collect(keep=0)
+        if self._id_checks is not None and self._id_checks.pending:
+            self._id_checks.raise_done(wait=True)
 
     def _detached(self):
         if not self._executor_alive():
