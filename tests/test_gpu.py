@@ -962,18 +962,20 @@ def test_host_waits_take_in_a_fresh_process(mode):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("where", ["cuda:0", "cpu"])
-@pytest.mark.parametrize("early", [False, True])
-def test_embedding_ids_out_of_range_on_a_gpu_executor(where, early):
+@pytest.mark.parametrize("where, early, serve", [("cuda:0", False, ()), ("cuda:0", True, ()), ("cpu", True, ()),
+                                                 ("cuda:0", True, ("--ids-on-host",))])
+def test_embedding_ids_out_of_range_on_a_gpu_executor(where, early, serve):
     """Ids beyond the vocabulary or negative get InvalidCallError, good ids the rows, and the
     executor serves on. A CPU tenant's ids are checked by the executor on its host; a same-GPU
     tenant's are looked up clamped on the executor's GPU and checked by its transport: at once
-    for a call that waits for its reply, at confirm() for one that returns early."""
+    for a call that waits for its reply, at confirm() for one that returns early. With
+    `serve --ids-on-host` the executor refuses them itself, and the tenant's own check of that
+    call is dropped with the refusal (the next calls raise nothing)."""
     from symbiont import connect
     from symbiont.errors import InvalidCallError
     from symbiont.proto import executor_pb2 as pb
 
-    with running_executor("tiny-llama", "--device", "cuda:0") as ex, connect(ex.url) as conn:
+    with running_executor("tiny-llama", "--device", "cuda:0", *serve) as ex, connect(ex.url) as conn:
         conn.ensure_attached(where)
         conn.transport.return_early = early
         table = build_builtin("tiny-llama").get_input_embeddings().weight.detach().to(where)

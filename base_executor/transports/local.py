@@ -408,10 +408,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         own stream is set up for it, and its input is not embedding ids to be checked on the host)."""
         if not (self.config.gpu_waits and req.input_seq and t.areas.stream is not None):
             return False
-        if not self.config.ids_on_host:
-            return True
-        unit = self.core.table.get(req.unit)
-        return unit is not None and unit.kind != "embedding"
+        unit = self.core.table.get(req.unit)  # (an unknown unit's call is answered from the host)
+        return unit is not None and not (self.config.ids_on_host and unit.kind == "embedding")
 
     def _gpu_wait(self, t: Tenant, stream, seq: int, waited=None) -> None:
         """Queues on `stream` a wait for t's input `seq`, and notes it in t's areas (until `waited`,

@@ -3,16 +3,19 @@
 The executor looks such ids up clamped to the table's rows (base_executor/runner.py) instead of
 reading their bounds on its host first: that read waited for a host synchronisation at the start
 of every decoding token, in the data loop every tenant shares. A bad id reads a row of the table,
-never memory beyond it; that it was bad is this side's to tell. Ids in host memory are checked on
-the host before the call goes. Ids in GPU memory have their lowest and highest copied to host
-memory on the caller's stream, behind the call, and are checked once that copy is done: at the
-next call when it is done by then (it waits for nothing), and at confirm(), which virtualize()
-runs at the end of every forward pass (the copy of that pass's first call is long done by then).
-The failure is an InvalidCallError with the message the executor gives for ids it checks itself.
+never memory beyond it; that it was bad is this side's to tell, so the executor trusts the tenant's
+transport with it (a client that skips the check only gets rows of the table for its bad ids). Ids
+in host memory are checked on the host before the call goes. Ids in GPU memory have their lowest
+and highest copied to page-locked host memory on the ids' stream as the call goes, and are checked
+once that copy is done: at the next call when it is done by then (it waits for nothing), and at
+confirm(), which virtualize() runs at the end of every forward pass. The failure is an
+InvalidCallError with the message the executor gives for ids it checks itself; as with the calls'
+own failures, a forward raises its first (the checks of its other calls are dropped with it).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 
@@ -26,13 +29,24 @@ def ids_error(unit: str, rows: int, low: int, high: int) -> InvalidCallError | N
     return None
 
 
+@dataclasses.dataclass(slots=True)
+class _Check:
+    call_id: int
+    unit: str
+    rows: int
+    device: torch.device  # the ids' GPU
+    bounds: torch.Tensor  # [lowest, highest], page-locked
+    event: torch.cuda.Event  # recorded after the copy into bounds
+
+
 class IdsChecks:
-    """The ids checks of one tenant's calls into a data area on the executor's GPU."""
+    """The ids checks of one tenant's calls into a data area on the executor's GPU. Used under
+    the transport's lock only."""
 
     def __init__(self, rows: dict[str, int]):
         self.rows = rows  # embedding unit id -> its number of rows (the executor's catalog)
-        self._pending: collections.deque = collections.deque()  # (unit, rows, bounds, event), in call order
-        self._free: list = []  # (bounds, event) pairs whose checks are done: reused, never reallocated
+        self._pending: collections.deque[_Check] = collections.deque()  # in call order
+        self._free: dict[torch.device, list] = {}  # (bounds, event) of checks done, by the ids' GPU: reused
 
     def _rows_of(self, unit: str) -> int | None:
         return self.rows.get(unit.partition("@")[0])  # (UNIT@ADAPTER: a hosted adapter's call)
@@ -47,36 +61,48 @@ class IdsChecks:
         if error is not None:
             raise error
 
-    def queue(self, unit: str, ids: torch.Tensor) -> None:
-        """Ids in GPU memory: their bounds are copied to host memory on the current stream, to be
-        checked by raise_done(). No host synchronisation."""
+    def queue(self, unit: str, ids: torch.Tensor, call_id: int) -> None:
+        """Ids in GPU memory, of call `call_id`: their bounds are copied to host memory on the
+        current stream of their GPU, to be checked by raise_done(). No host synchronisation."""
         rows = self._rows_of(unit)
         if rows is None or not ids.numel():
             return
-        if self._free:
-            bounds, event = self._free.pop()
-        else:
-            bounds, event = torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
-        bounds.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)  # [lowest, highest]
-        event.record()
-        self._pending.append((unit, rows, bounds, event))
+        free = self._free.setdefault(ids.device, [])
+        with torch.cuda.device(ids.device):
+            if free:
+                bounds, event = free.pop()
+            else:
+                bounds, event = torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+            bounds.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
+            event.record(torch.cuda.current_stream(ids.device))
+        self._pending.append(_Check(call_id, unit, rows, ids.device, bounds, event))
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
+    def forget(self, call_id: int) -> None:
+        """Drops the check of a call that failed (its own failure is what the caller sees)."""
+        if any(c.call_id == call_id for c in self._pending):
+            self._pending = collections.deque(c for c in self._pending if c.call_id != call_id)
+
     def raise_done(self, wait: bool = False) -> None:
-        """Raises the first failure among the queued checks whose copy is done (wait: waits for
-        every copy first); each check is done once, raised or not."""
+        """Raises the first failure among the checks whose copy is done (wait: waits for every
+        copy first); the checks queued after a failure are dropped with it. Each check is done
+        once, raised or not."""
         while self._pending:
-            unit, rows, bounds, event = self._pending[0]
-            if not event.query():
+            c = self._pending[0]
+            if not c.event.query():
                 if not wait:
                     return
-                event.synchronize()
+                c.event.synchronize()
             self._pending.popleft()
-            self._free.append((bounds, event))
-            low, high = bounds.tolist()
-            error = ids_error(unit, rows, low, high)
+            error = ids_error(c.unit, c.rows, *c.bounds.tolist())
+            self._free[c.device].append((c.bounds, c.event))
             if error is not None:
+                self._pending.clear()  # (their copies may still run: their buffers are not reused)
                 raise error
+
+    def clear(self) -> None:
+        """Forgets every check (the tenant detached, or the executor is gone)."""
+        self._pending.clear()

@@ -23,6 +23,7 @@ from symbiont.client.errors import (
     InternalError,
     NotAttachedError,
     ResourceExhaustedError,
+    SymbiontError,
 )
 from symbiont.client.transport import Transport
 from symbiont.client.transports.control import ControlChannel
@@ -195,12 +196,9 @@ class LocalTransport(LocalCalls, Transport):
         elif unanswered.busy:  # the replies that came; raises an earlier call's failure
             elsewhere = self._order is not None and x.device != self._order.device
             self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
-        ids = self._id_checks if self._order is not None and x.dtype == torch.int64 else None
-        if self._id_checks is not None and self._id_checks.pending:
-            self._id_checks.raise_done()  # an earlier call's ids, when their bounds are in
-        if ids is not None and not x.is_cuda:
-            ids.check_now(unit, x)
-            ids = None
+        checks = self._id_checks
+        if checks is not None and checks.pending:
+            checks.raise_done()  # an earlier call's ids, when their bounds are in
         key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
         plan = self._plans.get(key)
         if plan is None:
@@ -208,13 +206,24 @@ class LocalTransport(LocalCalls, Transport):
             if chunk:
                 return self._call_in_rows(unit, op, x, out_shape, out_dtype, latency, take, chunk)
             plan = self._plan(key, x)  # (a grow maps another mailbox)
+        call_id = next(self._ids)
+        if x.dtype == torch.int64 and self._id_checks is not None:  # embedding ids into our GPU data area
+            if x.is_cuda:  # (queued first: the copy of the bounds runs while the call goes)
+                self._id_checks.queue(unit, x, call_id)
+            else:
+                self._id_checks.check_now(unit, x)
+        try:
+            return self._send_call(unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id, native)
+        except BaseException:  # (its failure, or another's: the forward ends with it)
+            if self._id_checks is not None:
+                self._id_checks.forget(call_id)
+            raise
+
+    def _send_call(self, unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id: int, native: bool):
         if native and self._lane is not None:
-            result = self._send(x, plan, key, take)
-            if ids is not None:
-                ids.queue(unit, x)
-            return result
+            return self._send(x, plan, key, take, call_id)
         x = x.detach().contiguous()
-        request = self._request(unit, op, x, latency, next(self._ids))
+        request = self._request(unit, op, x, latency, call_id)
         in_bytes = mailbox.align(plan.in_nbytes)
         box, order = self._box, self._order
         request.in_offset, request.out_offset = 0, in_bytes
@@ -253,8 +262,6 @@ class LocalTransport(LocalCalls, Transport):
             elif not early:  # (an early call's reply and any release are the unanswered calls')
                 self._set_outstanding(request.call_id, seq)  # the next call finishes it
             raise
-        if ids is not None:  # (behind the call, on the stream that sent it)
-            ids.queue(unit, x)
         if early:  # (the copy out is queued behind the wait)
             result = self._take(plan.out, stream, take)
             if len(self._unanswered) >= MAX_UNANSWERED:
@@ -270,11 +277,11 @@ class LocalTransport(LocalCalls, Transport):
             if reply.status.code != pb.OK:
                 self._release_failed(request.call_id, seq)
             raise failure
-        if ids is not None:  # a call that waits for its reply raises its ids' failure at once too
-            ids.raise_done(wait=True)
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if order is not None:  # our stream waits for the executor's writes; the host does not
             order.wait_result(stream, seq)
+        if self._id_checks is not None and self._id_checks.pending:  # a call that waits for its reply: its ids' failure too
+            self._id_checks.raise_done(wait=True)
         if direct:
             return self._take(y, stream, take)
         if y.device != x.device:  # a fresh copy on the caller's device
@@ -322,7 +329,12 @@ class LocalTransport(LocalCalls, Transport):
 
     def _collect(self, keep: int | None = None) -> None:
         """Takes the replies of calls that returned early (Unanswered.collect)."""
-        self._unanswered.collect(self._sleep, keep)
+        try:
+            self._unanswered.collect(self._sleep, keep)
+        except SymbiontError as e:  # a failed call's ids check goes with it
+            if self._id_checks is not None and getattr(e, "call_id", 0):
+                self._id_checks.forget(e.call_id)
+            raise
 
     def _confirm(self) -> None:
         if self._gone and self._box is not None:
@@ -346,6 +358,8 @@ class LocalTransport(LocalCalls, Transport):
 
     def _teardown(self) -> None:
         self._unmap()
+        if self._id_checks is not None:
+            self._id_checks.clear()
         self._wake = None
         if self._wake_mem is not None:
             try:

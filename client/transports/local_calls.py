@@ -52,7 +52,7 @@ class LocalCalls:
         self._plans[key] = plan
         return plan
 
-    def _send(self, x: torch.Tensor, plan: Plan, key: tuple, take):
+    def _send(self, x: torch.Tensor, plan: Plan, key: tuple, take, call_id: int):
         """A call from our GPU (the executor's, or a peer) in one native call (proto._stream_ops.Lane): the copy in,
         the input word, the request, the executor's doorbell, and our stream's wait for the
         result; then the copy out, queued behind that wait. Its reply is taken later."""
@@ -62,10 +62,9 @@ class LocalCalls:
         stream = order.current_stream()
         if stream != order.stream:
             order.follow(stream)
-        seq = call_id = 0
+        seq = 0
         try:
             seq = order.seq = order.seq % 0xFFFFFFFF + 1  # (never 0, which means "no word")
-            call_id = next(self._ids)
             unanswered.add(Sent(call_id, seq, key[0], key[1], key[5], key[6]))
             rc = lane.send(x.data_ptr(), plan.in_nbytes, stream, plan.header, call_id, seq)
             if rc < 0:
