@@ -21,6 +21,12 @@ import time  # noqa: E402
 
 from symbiont.base_executor import models  # noqa: E402
 
+# A GPU executor's data loop spins this long on the wake word before it sleeps. Asleep, a call
+# waits for the kernel to wake it, behind every busy tenant process on the host's cores: at 16
+# decoding tenants on 16 cores a call then waited 20 ms at p99 before it ran, and 5 ms of spinning
+# gave 1.19x the tokens/s of 200 us (benchmarks/RESULTS.md, session 41). Bounded: an idle loop sleeps.
+GPU_SPIN_US = 5000
+
 
 def _host_provider_adapters(core, directory: str, log, sharded: bool = False) -> None:
     """Hosts every PEFT LoRA adapter under `directory` (a subdirectory each, or the directory
@@ -128,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
                      else 1000 if args.gpu_batches and device.type == "cuda" and not args.no_gpu_waits else 0),
     )
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
-    spin_us = args.spin_us if args.spin_us is not None else (200 if device.type == "cuda" else 20)
+    spin_us = args.spin_us if args.spin_us is not None else (GPU_SPIN_US if device.type == "cuda" else 20)
     tensor = shard is not None and shard.placement == "tensor"  # (every call runs over every rank, from rank 0's loop)
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
@@ -469,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
-                   "sleeping in the kernel (longer: lower latency, one busier core; default 200 on a GPU, 20 on the CPU, "
+                   "sleeping in the kernel (longer: lower latency, one busier core; default 5000 on a GPU, 20 on the CPU, "
                    "where the spinning core is one the GEMMs need)")
     s.add_argument("--no-gpu-waits", action="store_true", help="same GPU: never take a call before its input copy "
                    "is done (by default a lone tenant's call is, its GEMM queued behind a GPU wait on its own stream)")
