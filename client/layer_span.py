@@ -211,18 +211,16 @@ class SpanUnit(UnitRef):
 
 
 class _TracedNow:
-    """_Now while torch.compile traces."""
-
-    def __init__(self):
-        self.r, self.carry = None, None
-
-
-class _Now(threading.local):
-    """A thread's state of one span: the layer's input while its forward runs with the span on
+    """A span's state while torch.compile traces (Dynamo cannot read a threading.local; each entry
+    is tagged with its trace instead): the layer's input while its forward runs with the span on
     (None once the attention took it), and what the call carries to the next layer."""
 
     def __init__(self):
         self.r, self.carry = None, None
+
+
+class _Now(_TracedNow, threading.local):
+    """The same, each thread its own (eager code)."""
 
 
 def _hooked(module: nn.Module) -> bool:

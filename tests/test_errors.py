@@ -302,14 +302,14 @@ def test_a_tenants_ids_checks():
     up by their unit; units it does not know pass (the executor answers for them)."""
     from symbiont.client.transports.ids import IdsChecks, ids_error
 
-    checks = IdsChecks({EMBED: 256})
-    checks.check_now(EMBED, torch.tensor([[0, 255]]))
-    checks.check_now(EMBED, torch.empty(0, dtype=torch.int64))
-    checks.check_now("model.unknown", torch.tensor([1000]))
+    checks, rows = IdsChecks(), {EMBED: 256}
+    checks.check_now(rows, EMBED, torch.tensor([[0, 255]]))
+    checks.check_now(rows, EMBED, torch.empty(0, dtype=torch.int64))
+    checks.check_now(rows, "model.unknown", torch.tensor([1000]))
     for bad, got in (([[1, 256]], r"\[1, 256\]"), ([[-1, 3]], r"\[-1, 3\]")):
         for unit in (EMBED, EMBED + "@3"):
             with pytest.raises(InvalidCallError, match=r"ids for .*embed_tokens.* must lie in \[0, 256\), got " + got):
-                checks.check_now(unit, torch.tensor(bad))
+                checks.check_now(rows, unit, torch.tensor(bad))
     assert not checks.pending
     assert ids_error(EMBED, 256, 0, 255) is None and isinstance(ids_error(EMBED, 256, 0, 256), InvalidCallError)
 

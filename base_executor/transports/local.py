@@ -409,7 +409,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         if not (self.config.gpu_waits and req.input_seq and t.areas.stream is not None):
             return False
         unit = self.core.table.get(req.unit)  # (an unknown unit's call is answered from the host)
-        return unit is not None and not (self.config.ids_on_host and unit.kind == "embedding")
+        return unit is not None and not self._ids_on_host(unit, area_on_gpu=True)
 
     def _gpu_wait(self, t: Tenant, stream, seq: int, waited=None) -> None:
         """Queues on `stream` a wait for t's input `seq`, and notes it in t's areas (until `waited`,

@@ -64,7 +64,7 @@ class LocalCalls:
         area = t.area
         x = area.view(req.in_offset, in_shape, dtype)
         out = graphs = None
-        if unit.kind == "embedding" and (x.device.type == "cpu" or self.config.ids_on_host):  # (else looked up clamped: runner.run)
+        if self._ids_on_host(unit, x.is_cuda):
             x = self.core.checked_ids(unit, x)  # (a copy: the ids checked must be the ids looked up)
         elif x.device != self.core.device:
             x = x.to(self.core.device, non_blocking=bool(t.areas.pinned))  # a copy, DMA when page-locked
@@ -95,6 +95,12 @@ class LocalCalls:
             merge_epoch=epoch,
             budget_s=req.budget_us * 1e-6,
         )
+
+    def _ids_on_host(self, unit, area_on_gpu: bool) -> bool:
+        """Whether our host checks a call's embedding ids before their lookup (core.checked_ids):
+        ids in host memory always, ids in a data area on our GPU only with `serve --ids-on-host`
+        (else they are looked up clamped, runner.run, and the tenant's transport checks them)."""
+        return unit.kind == "embedding" and (not area_on_gpu or self.config.ids_on_host)
 
     def _graphs(self, areas, own: bool):
         """The CallGraphs of a same-GPU tenant's calls on its own stream (own) or on the data

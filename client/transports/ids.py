@@ -39,33 +39,34 @@ class _Check:
     event: torch.cuda.Event  # recorded after the copy into bounds
 
 
-class IdsChecks:
-    """The ids checks of one tenant's calls into a data area on the executor's GPU. Used under
-    the transport's lock only."""
+def _rows_of(rows: dict[str, int], unit: str) -> int | None:
+    return rows.get(unit.partition("@")[0])  # (UNIT@ADAPTER: a hosted adapter's call)
 
-    def __init__(self, rows: dict[str, int]):
-        self.rows = rows  # embedding unit id -> its number of rows (the executor's catalog)
+
+class IdsChecks:
+    """The ids checks of one tenant's calls into a data area on the executor's GPU. `rows`: each
+    embedding unit's number of rows, from the executor's catalog (Transport.embedding_rows). Used
+    under the transport's lock only."""
+
+    def __init__(self):
         self._pending: collections.deque[_Check] = collections.deque()  # in call order
         self._free: dict[torch.device, list] = {}  # (bounds, event) of checks done, by the ids' GPU: reused
 
-    def _rows_of(self, unit: str) -> int | None:
-        return self.rows.get(unit.partition("@")[0])  # (UNIT@ADAPTER: a hosted adapter's call)
-
-    def check_now(self, unit: str, ids: torch.Tensor) -> None:
+    def check_now(self, rows: dict[str, int], unit: str, ids: torch.Tensor) -> None:
         """Ids in host memory: raises InvalidCallError now when one lies outside the unit's rows."""
-        rows = self._rows_of(unit)
-        if rows is None or not ids.numel():
+        n = _rows_of(rows, unit)
+        if n is None or not ids.numel():
             return
         low, high = torch.aminmax(ids.reshape(-1))
-        error = ids_error(unit, rows, int(low), int(high))
+        error = ids_error(unit, n, int(low), int(high))
         if error is not None:
             raise error
 
-    def queue(self, unit: str, ids: torch.Tensor, call_id: int) -> None:
+    def queue(self, rows: dict[str, int], unit: str, ids: torch.Tensor, call_id: int) -> None:
         """Ids in GPU memory, of call `call_id`: their bounds are copied to host memory on the
         current stream of their GPU, to be checked by raise_done(). No host synchronisation."""
-        rows = self._rows_of(unit)
-        if rows is None or not ids.numel():
+        n = _rows_of(rows, unit)
+        if n is None or not ids.numel():
             return
         free = self._free.setdefault(ids.device, [])
         with torch.cuda.device(ids.device):
@@ -75,7 +76,7 @@ class IdsChecks:
                 bounds, event = torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
             bounds.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
             event.record(torch.cuda.current_stream(ids.device))
-        self._pending.append(_Check(call_id, unit, rows, ids.device, bounds, event))
+        self._pending.append(_Check(call_id, unit, n, ids.device, bounds, event))
 
     @property
     def pending(self) -> bool:

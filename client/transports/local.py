@@ -69,7 +69,7 @@ class LocalTransport(LocalCalls, Transport):
         self._lane = None  # proto._stream_ops.Lane of the mailbox, when its calls can take the native path
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
         self._failures = 0  # the mailbox's count of failure replies when replies were last taken
-        self._id_checks: IdsChecks | None = None  # the checks of embedding ids sent to a data area on a GPU
+        self._id_checks = IdsChecks()  # of the embedding ids sent to a data area on a GPU
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -115,10 +115,6 @@ class LocalTransport(LocalCalls, Transport):
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
         self._plans, self._failures = {}, 0
-        if order is not None:
-            if self._id_checks is None:
-                self._id_checks = IdsChecks(self.embedding_rows)
-            self._id_checks.rows = self.embedding_rows  # (of the executor attached to now)
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
@@ -196,9 +192,8 @@ class LocalTransport(LocalCalls, Transport):
         elif unanswered.busy:  # the replies that came; raises an earlier call's failure
             elsewhere = self._order is not None and x.device != self._order.device
             self._collect(keep=0 if elsewhere else None)  # (a copy from elsewhere may synchronise: nothing may block it)
-        checks = self._id_checks
-        if checks is not None and checks.pending:
-            checks.raise_done()  # an earlier call's ids, when their bounds are in
+        if self._id_checks.pending:
+            self._id_checks.raise_done()  # an earlier call's ids, when their bounds are in
         key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
         plan = self._plans.get(key)
         if plan is None:
@@ -207,16 +202,15 @@ class LocalTransport(LocalCalls, Transport):
                 return self._call_in_rows(unit, op, x, out_shape, out_dtype, latency, take, chunk)
             plan = self._plan(key, x)  # (a grow maps another mailbox)
         call_id = next(self._ids)
-        if x.dtype == torch.int64 and self._id_checks is not None:  # embedding ids into our GPU data area
+        if x.dtype == torch.int64 and self._order is not None:  # embedding ids into our GPU data area
             if x.is_cuda:  # (queued first: the copy of the bounds runs while the call goes)
-                self._id_checks.queue(unit, x, call_id)
+                self._id_checks.queue(self.embedding_rows, unit, x, call_id)
             else:
-                self._id_checks.check_now(unit, x)
+                self._id_checks.check_now(self.embedding_rows, unit, x)
         try:
             return self._send_call(unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id, native)
         except BaseException:  # (its failure, or another's: the forward ends with it)
-            if self._id_checks is not None:
-                self._id_checks.forget(call_id)
+            self._id_checks.forget(call_id)
             raise
 
     def _send_call(self, unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id: int, native: bool):
@@ -280,7 +274,7 @@ class LocalTransport(LocalCalls, Transport):
         y = area.view(reply.out_offset, out_shape, out_dtype)
         if order is not None:  # our stream waits for the executor's writes; the host does not
             order.wait_result(stream, seq)
-        if self._id_checks is not None and self._id_checks.pending:  # a call that waits for its reply: its ids' failure too
+        if self._id_checks.pending:  # a call that waits for its reply: its ids' failure too
             self._id_checks.raise_done(wait=True)
         if direct:
             return self._take(y, stream, take)
@@ -332,7 +326,7 @@ class LocalTransport(LocalCalls, Transport):
         try:
             self._unanswered.collect(self._sleep, keep)
         except SymbiontError as e:  # a failed call's ids check goes with it
-            if self._id_checks is not None and getattr(e, "call_id", 0):
+            if getattr(e, "call_id", 0):
                 self._id_checks.forget(e.call_id)
             raise
 
@@ -343,7 +337,7 @@ class LocalTransport(LocalCalls, Transport):
             self._finish_outstanding()
         if self._box is not None and self._unanswered.busy:
             self._collect(keep=0)
-        if self._id_checks is not None and self._id_checks.pending:
+        if self._id_checks.pending:
             self._id_checks.raise_done(wait=True)
 
     def _detached(self):
@@ -358,8 +352,7 @@ class LocalTransport(LocalCalls, Transport):
 
     def _teardown(self) -> None:
         self._unmap()
-        if self._id_checks is not None:
-            self._id_checks.clear()
+        self._id_checks.clear()
         self._wake = None
         if self._wake_mem is not None:
             try:
