@@ -39,6 +39,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tenant-waits", default="", help="comma list of --cuda-waits values: the tenants once per value "
+                   "(the processes keep --cuda-waits)")
     p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor, tenant 0 and process 0 with py-spy (pip install py-spy)")
     p.add_argument("--hosted", action="store_true", help="also run the tenants with their adapters hosted by the executor (issue 21)")
     p.add_argument("--gpu-profile", default="", help="at these N (comma-separated), one more run of each side with every "
@@ -93,10 +95,13 @@ def main() -> int:
         ex_profile = out / f"s3_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ns else None
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
         try:
-            for n in ns:
+            for n, wait_mode in ((n, w) for n in ns for w in (a.tenant_waits or a.cuda_waits).split(",")):
                 before = fleet.executor_stats(url)
-                workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *common] for i in range(n)]
-                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}_{who}_pyspy.txt" for who in ("executor", "tenant0")]
+                mine = [*common[:common.index("--cuda-waits")], "--cuda-waits", wait_mode, *common[common.index("--cuda-waits") + 2:]]
+                who = f"symbiont {policy}" + (f", waits {wait_mode}" if a.tenant_waits else "")
+                workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *mine] for i in range(n)]
+                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{wait_mode if a.tenant_waits else ''}_{side}_pyspy.txt"
+                             for side in ("executor", "tenant0")]
                 spies = []
 
                 def on_go(_, pids):
@@ -113,13 +118,13 @@ def main() -> int:
                     print("executor, its data loop:\n" + top_frames(spy_paths[0], fleet.REPO, within="_data_loop"), flush=True)
                     print("tenant 0:\n" + top_frames(spy_paths[1], fleet.REPO), flush=True)
                     print("tenant 0, its main thread:\n" + waits(spy_paths[1]), flush=True)
-                row(n, f"symbiont {policy}", res, base, peak, before, after)
+                row(n, who, res, base, peak, before, after)
                 if a.hosted:  # the same tenants with their adapters hosted by the executor
                     before = fleet.executor_stats(url)
                     res, base, peak = fleet.run_fleet([[*w, "--hosted"] for w in workers], a.seconds)
-                    row(n, f"symbiont {policy}, hosted adapters", res, base, peak, before, fleet.executor_stats(url))
+                    row(n, f"{who}, hosted adapters", res, base, peak, before, fleet.executor_stats(url))
                 if n in profile_ns:
-                    profiled(workers, f"symbiont {policy}", n, (proc, ex_profile))
+                    profiled(workers, who, n, (proc, ex_profile))
         finally:
             fleet.stop(proc)
     print(f"\nS3 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows"
