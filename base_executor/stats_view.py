@@ -60,10 +60,10 @@ def table(now: pb.StatsReply, before: pb.StatsReply | None = None, seconds: floa
         f"memory: executor GPU {now.gpu_allocated_bytes / 2**30:.2f} GiB allocated, {now.gpu_reserved_bytes / 2**30:.2f} GiB "
         f"reserved; mailboxes {now.mailbox_bytes / 2**20:.1f} MiB; host private {now.rss_anon_bytes / 2**20:.0f} MiB"
     )
-    lines.append(f"{'class':<10} {'calls':>9} {'batches':>9} {'wait p50 us':>12} {'p99 us':>9} {'refused':>8}  calls per batch: "
+    lines.append(f"{'class':<10} {'calls':>9} {'batches':>9} {'queued p50 us':>14} {'p99 us':>9} {'refused':>8}  calls per batch: "
                  + " ".join(f"{b:>6}" for b in BUCKETS))
     for c in now.classes:
-        lines.append(f"{CLASS_NAMES.get(c.latency, c.latency):<10} {c.calls:>9} {c.batches:>9} {c.wait_p50_us:>12.0f} "
+        lines.append(f"{CLASS_NAMES.get(c.latency, c.latency):<10} {c.calls:>9} {c.batches:>9} {c.wait_p50_us:>14.0f} "
                      f"{c.wait_p99_us:>9.0f} {c.refused:>8}  {'':16}" + " ".join(f"{n:>6}" for n in c.batch_calls))
     if now.tenant_stats:
         lines.append(f"{'tenant':>6} {'name':<24} {'pid':>8} {'placement':<9} {'calls':>9} {'calls/s':>8} {'queued':>6} "
@@ -264,7 +264,7 @@ class StatsCollector:
         yield gauge("host_private_bytes", "the executor's private host memory", s.rss_anon_bytes)
         batches = CounterMetricFamily("symbiont_class_batches", "batches by class and calls per batch",
                                       labels=["latency", "calls_per_batch"])
-        wait = GaugeMetricFamily("symbiont_class_wait_us", "queue wait over a class's last 4096 calls",
+        wait = GaugeMetricFamily("symbiont_class_wait_us", "queue wait over a class's last 4096 queued calls (those taken at once, call_paths, never queue)",
                                  labels=["latency", "quantile"])
         calls = CounterMetricFamily("symbiont_class_calls", "calls by class", labels=["latency"])
         for c in s.classes:
