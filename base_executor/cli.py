@@ -140,7 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
-        ids_on_host=args.ids_on_host, realtime_loop=args.realtime_loop,
+        ids_on_host=args.ids_on_host,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -477,9 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
                    "sleeping in the kernel (longer: lower latency, one busier core; default 5000 on a GPU, 20 on the CPU, "
                    "where the spinning core is one the GEMMs need)")
-    s.add_argument("--realtime-loop", action="store_true", help="run the data loop's thread under SCHED_FIFO "
-                   "(needs CAP_SYS_NICE): woken, it preempts busy tenant processes instead of waiting for a time "
-                   "slice, so a short --spin-us leaves its core to them")
     s.add_argument("--no-gpu-waits", action="store_true", help="same GPU: never take a call before its input copy "
                    "is done (by default a lone tenant's call is, its GEMM queued behind a GPU wait on its own stream)")
     s.add_argument("--layer-spans", action=argparse.BooleanOptionalAction, default=None, help="serve each Llama-type "

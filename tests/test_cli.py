@@ -1,7 +1,6 @@
 """The `base-executor` command: listing models, refusing bad input, logging, draining on SIGTERM."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -44,23 +43,6 @@ def test_save_pretrained_directory_and_logs(tmp_path):
             assert torch.equal(virt(x).logits, build_builtin("tiny-qwen2")(x).logits)
         log = ex.log()
     assert "units" in log and "serving on " + ex.url in log and "attached" in log
-
-
-def test_realtime_loop_puts_only_the_data_loop_under_fifo():
-    # The data loop is the executor's main thread. Without CAP_SYS_NICE the flag only warns.
-    with running_executor("tiny-llama", "--realtime-loop") as ex:
-        virt = virtualize(build_builtin("tiny-llama"), ex.url)
-        x = torch.randint(1, 256, (1, 7))
-        with torch.no_grad():
-            assert torch.equal(virt(x).logits, build_builtin("tiny-llama")(x).logits)
-        policies = {int(tid): os.sched_getscheduler(int(tid)) & ~os.SCHED_RESET_ON_FORK for tid in os.listdir(f"/proc/{ex.pid}/task")}
-        log = ex.log()
-    if "data loop under SCHED_FIFO" in log:
-        assert policies.pop(ex.pid) == os.SCHED_FIFO
-        assert set(policies.values()) == {os.SCHED_OTHER}, policies  # (the threads started after it too)
-    else:
-        assert "--realtime-loop: the data loop keeps the usual scheduling" in log, log
-        assert set(policies.values()) == {os.SCHED_OTHER}, policies
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_cleanly():

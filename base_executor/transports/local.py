@@ -92,11 +92,6 @@ class LocalServerConfig:
     host synchronisation in the data loop, every tenant's, at each decoding token's start; its
     calls are then queued, never taken on its stream) instead of looked up clamped on the GPU and
     checked by the tenant's transport (client/transports/ids.py). For comparisons."""
-    realtime_loop: bool = False
-    """Whether the data loop's thread runs under SCHED_FIFO (Linux, CAP_SYS_NICE; without it a
-    warning and the usual scheduling): woken from its sleep, it preempts tenant processes that are
-    busy on every core instead of waiting for a time slice among them, so it can sleep sooner
-    (a shorter spin_us) and leave its core to them. Threads it starts are scheduled as usual."""
 
     gpu_batches: bool = False
     """Whether a same-GPU call that is not taken at once on its tenant's own stream (see
@@ -212,8 +207,6 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
     # ---- data plane ---------------------------------------------------------
 
     def _data_loop(self) -> None:
-        if self.config.realtime_loop:
-            _realtime_thread()
         if self.core.device.type == "cuda":
             torch.cuda.set_device(self.core.device)
             self._stream = torch.cuda.current_stream(self.core.device)
@@ -611,13 +604,3 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
 
         self.areas.release_retired(drop_calls)
 
-
-def _realtime_thread() -> None:
-    """Puts the calling thread under SCHED_FIFO at the lowest real-time priority; threads it starts
-    get the usual policy (SCHED_RESET_ON_FORK). Logs why not when the system refuses."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(os.sched_get_priority_min(os.SCHED_FIFO)))
-    except (AttributeError, OSError) as e:  # (no such call off Linux; EPERM without CAP_SYS_NICE)
-        log.warning("--realtime-loop: the data loop keeps the usual scheduling (%s)", e)
-    else:
-        log.info("data loop under SCHED_FIFO")
