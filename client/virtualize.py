@@ -185,6 +185,7 @@ def virtualize(
     device: torch.device | str | None = None,
     mask=None,
     adapter: str | None = None,
+    chunked_loss: bool = True,
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -200,13 +201,15 @@ def virtualize(
     adapter the executor hosts (Connection.host_adapter, or the provider's): the executor adds it
     to the calls of the units it adapts (forward and input gradient; it is frozen), and the model
     needs no adapter code; a fused group's call carries it for its adapted members, while a gated
-    MLP block with an adapted Linear calls its Linears one by one.
+    MLP block with an adapted Linear calls its Linears one by one. With `chunked_loss`, a causal
+    LM's loss (transformers' ForCausalLMLoss) is taken in row chunks, bit for bit the same, without
+    its full-vocabulary float32 tensors (client/loss.py).
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
     config field or unit that differs from the served model (the model is then unchanged).
     """
-    from symbiont.client import dora
+    from symbiont.client import dora, loss
     from symbiont.client.connection import Connection, connect
 
     dora.install()  # (PEFT's DoRA layers over shims, made before or after this)
@@ -298,6 +301,8 @@ def virtualize(
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask
+    if chunked_loss:
+        loss.install(root)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transports))
     for m in {id(root): root, id(model): model}.values():

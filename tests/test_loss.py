@@ -1,0 +1,120 @@
+"""The tenant's causal-LM loss in row chunks (client/loss.py): the same loss and logits gradient as
+transformers' ForCausalLMLoss, bit for bit, without a full-vocabulary float32 tensor kept."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from symbiont import virtualize
+from symbiont.base_executor.models import build_builtin
+from symbiont.client import loss as chunked
+
+
+def _both(fn_a, fn_b, logits, *args, grad_scale=1.3, **kwargs):
+    """(loss, logits.grad) of each loss function on its own leaf copy of logits."""
+    out = []
+    for fn in (fn_a, fn_b):
+        x = logits.detach().clone().requires_grad_(True)
+        value = fn(x, *args, **kwargs)
+        value.backward(torch.tensor(grad_scale))
+        out.append((value.detach(), x.grad))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_cross_entropy_is_bitwise_cross_entropy(monkeypatch, dtype, reduction):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 301 * 37)  # 37 rows a chunk: a ragged last chunk
+    torch.manual_seed(0)
+    logits = torch.randn(300, 301, dtype=dtype) * 4
+    target = torch.randint(0, 301, (300,))
+    target[::7] = -100
+
+    (a, ga), (b, gb) = _both(
+        lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction),
+        lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction),
+        logits,
+    )
+    assert torch.equal(a, b) and torch.equal(ga, gb) and ga.dtype == dtype
+
+
+def test_causal_lm_loss_is_transformers_loss(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 97 * 5)
+    torch.manual_seed(1)
+    logits = torch.randn(3, 11, 97, dtype=torch.bfloat16)
+    labels = torch.randint(0, 97, (3, 11))
+    labels[0, :4] = -100
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}, {"num_items_in_batch": 9},
+                   {"shift_labels": torch.roll(labels, -1, 1)}, {"ignore_index": 5}):
+        mine = labels.clamp(min=0) if "ignore_index" in kwargs else labels
+        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.causal_lm_loss, logits, mine, 97, **kwargs)
+        assert torch.equal(a, b) and torch.equal(ga, gb), kwargs
+    for bad in (-100, 97):  # a label neither in the vocabulary nor the ignored one
+        for fn in (ForCausalLMLoss, chunked.causal_lm_loss):
+            with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+                fn(logits, torch.full_like(labels, bad), 97, ignore_index=5)
+    # every label ignored: nan, as transformers gives
+    (a, _), (b, _) = _both(ForCausalLMLoss, chunked.causal_lm_loss, logits, torch.full_like(labels, -100), 97)
+    assert a.isnan() and b.isnan()
+
+
+def test_it_keeps_no_full_vocabulary_float32_tensor():
+    logits = torch.randn(64, 500, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 500, (1, 64))
+    for fn, keeps_float32 in ((ForCausalLMLoss, True), (chunked.causal_lm_loss, False)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+            fn(logits.view(1, 64, 500), labels, 500)
+        assert ((torch.float32, 64 * 500) in saved) == keeps_float32, saved
+
+
+def test_virtualize_installs_it_and_training_stays_exact(executor):
+    torch.manual_seed(2)
+    x = torch.randint(1, 256, (2, 16))
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    assert virt.loss_function is chunked.causal_lm_loss and ref.loss_function is ForCausalLMLoss
+    for m in (ref, virt):  # a trainable part of the tenant's own: the final norm
+        m.requires_grad_(False)
+        m.model.norm.weight.requires_grad_(True)
+    a, b = ref(x, labels=x), virt(x, labels=x)
+    a.loss.backward()
+    b.loss.backward()
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits)
+    assert torch.equal(ref.model.norm.weight.grad, virt.model.norm.weight.grad)
+
+
+def test_a_model_with_another_loss_keeps_it(executor):
+    model = build_builtin("tiny-llama")
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()
+    mine = model.loss_function
+    assert virtualize(model, executor.url).loss_function is mine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_on_a_gpu_bitwise_and_a_full_vocabulary_less(reduction):
+    # S2's shapes: 2 x 512 tokens of llama's 128,256-token vocabulary, bfloat16 logits
+    dev = torch.device("cuda")
+    torch.manual_seed(3)
+    logits = torch.randn(1024, 128256, dtype=torch.bfloat16, device=dev) * 4
+    target = torch.randint(0, 128256, (1024,), device=dev)
+    target[::9] = -100
+    results, peaks = [], []
+    for fn in (lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction),
+               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction)):
+        x = logits.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        value = fn(x)
+        value.backward(torch.tensor(1.3, device=dev))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((value.detach(), x.grad))
+        del x, value
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b) and torch.equal(ga, gb)
+    full = 1024 * 128256 * 4  # one float32 [tokens, vocabulary]
+    assert peaks[1] < peaks[0] - full, [p / 2**20 for p in peaks]
