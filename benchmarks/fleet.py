@@ -262,10 +262,11 @@ def host_figures(batches: dict) -> str:
     return f"native {native / taken:.0%}, late {late / max(native, 1):.0%}, loop {busy:.0%}"
 
 
-def py_spy(pid: int, seconds: float, path: pathlib.Path) -> subprocess.Popen:
-    """Samples process `pid` with py-spy (idle frames included) into `path` (collapsed stacks)."""
+def py_spy(pid: int, seconds: float, path: pathlib.Path, native: bool = False) -> subprocess.Popen:
+    """Samples process `pid` with py-spy (idle frames included; with `native`, C/C++ frames too,
+    which py-spy reads only with the process paused at each sample) into `path` (collapsed stacks)."""
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--duration", str(max(1, int(seconds))),
-                             "--idle", "--nonblocking", "--format", "raw", "--output", str(path)],
+                             "--idle", *(["--native"] if native else ["--nonblocking"]), "--format", "raw", "--output", str(path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

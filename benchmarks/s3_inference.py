@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tenant-waits", default="", help="comma list of --cuda-waits values: the tenants once per value "
                    "(the processes keep --cuda-waits)")
+    p.add_argument("--py-spy-native", action="store_true", help="with --py-spy: tenant 0 and process 0 sampled with "
+                   "their native frames too (CUDA's driver, torch's C++), and their main threads' native leaves printed")
     p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor, tenant 0 and process 0 with py-spy (pip install py-spy)")
     p.add_argument("--hosted", action="store_true", help="also run the tenants with their adapters hosted by the executor (issue 21)")
     p.add_argument("--gpu-profile", default="", help="at these N (comma-separated), one more run of each side with every "
@@ -68,7 +70,7 @@ def main() -> int:
     for n in ns:
         if n <= a.max_processes:
             spy_path, spies = out / f"s3_{a.model}_{a.tag}_n{n}_process0_pyspy.txt", []
-            on_go = (lambda _, pids: spies.append(fleet.py_spy(pids[0], a.seconds * 0.8, spy_path))) if a.py_spy == n else None
+            on_go = (lambda _, pids: spies.append(fleet.py_spy(pids[0], a.seconds * 0.8, spy_path, a.py_spy_native))) if a.py_spy == n else None
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)],
                                               a.seconds, on_go=on_go)
             for spy in spies:
@@ -76,6 +78,10 @@ def main() -> int:
                 from s6_profile import top_frames, waits
 
                 print("process 0:\n" + top_frames(spy_path, fleet.REPO) + "\nprocess 0, its main thread:\n" + waits(spy_path), flush=True)
+                if a.py_spy_native:
+                    from s6_profile import native_leaves
+
+                    print("process 0, its main thread's innermost frames:\n" + native_leaves(spy_path), flush=True)
             rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
             if n in profile_ns:
@@ -105,8 +111,8 @@ def main() -> int:
                 spies = []
 
                 def on_go(_, pids):
-                    for pid, path in zip((proc.pid, pids[0]), spy_paths):
-                        spies.append(fleet.py_spy(pid, a.seconds * 0.8, path))
+                    for pid, path, native in zip((proc.pid, pids[0]), spy_paths, (False, a.py_spy_native)):
+                        spies.append(fleet.py_spy(pid, a.seconds * 0.8, path, native))
 
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go if a.py_spy == n else None)
                 after = fleet.executor_stats(url)
@@ -118,6 +124,10 @@ def main() -> int:
                     print("executor, its data loop:\n" + top_frames(spy_paths[0], fleet.REPO, within="_data_loop"), flush=True)
                     print("tenant 0:\n" + top_frames(spy_paths[1], fleet.REPO), flush=True)
                     print("tenant 0, its main thread:\n" + waits(spy_paths[1]), flush=True)
+                    if a.py_spy_native:
+                        from s6_profile import native_leaves
+
+                        print("tenant 0, its main thread's innermost frames:\n" + native_leaves(spy_paths[1]), flush=True)
                 row(n, who, res, base, peak, before, after)
                 if a.hosted:  # the same tenants with their adapters hosted by the executor
                     before = fleet.executor_stats(url)

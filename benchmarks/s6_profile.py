@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -152,6 +153,28 @@ def _stacks(path: pathlib.Path, within: str = ""):
             yield frames, int(count)
 
 
+_PYTHON = re.compile(r"\(.*\.py:\d+\)$")  # a Python frame of py-spy's: "name (path.py:line)"
+
+
+def native_leaves(path: pathlib.Path, thread: str = "fleet_worker", n: int = 15) -> str:
+    """From a py-spy --native profile: the shares of a worker's main thread by its innermost frame
+    where that is native code (CUDA's driver, torch's C++, the C library), and the share in Python."""
+    if not path.exists():
+        return "(no samples)"
+    shares, total = collections.Counter(), 0
+    for frames, c in _stacks(path, thread):
+        total += c
+        leaf = frames[-1]
+        if _PYTHON.search(leaf):
+            leaf = "(Python)"
+        elif leaf.startswith("0x"):  # (no symbol: its library)
+            leaf = "unnamed " + leaf.partition(" ")[2]
+        shares[leaf[:110]] += c
+    if not total:
+        return "(no samples of the main thread)"
+    return "\n".join(f"{100 * c / total:6.1f}%  {name}" for name, c in shares.most_common(n))
+
+
 def waits(path: pathlib.Path, thread: str = "fleet_worker") -> str:
     """The shares of a decoding worker's main thread (stacks through `thread`) spent at the waits
     of WAITS, from py-spy's collapsed stacks, and the rest (its own host work)."""
@@ -160,7 +183,8 @@ def waits(path: pathlib.Path, thread: str = "fleet_worker") -> str:
     shares, total = collections.Counter(), 0
     for frames, c in _stacks(path, thread):
         total += c
-        name = next((n for n, piece in WAITS if piece in frames[-1]), "its own work (Python, launches)")
+        leaf = next((f for f in reversed(frames) if _PYTHON.search(f)), frames[-1])  # (a native profile: the innermost Python frame)
+        name = next((n for n, piece in WAITS if piece in leaf), "its own work (Python, launches)")
         shares[name] += c
     if not total:
         return "(no samples of the main thread)"
