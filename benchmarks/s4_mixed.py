@@ -30,6 +30,8 @@ def main() -> int:
                    "tenants' CUDA_MPS_CLIENT_PRIORITY (1: below normal; '' the default)")
     p.add_argument("--train-mps-threads", default="", help="comma list: the mixed fleet once per value (and per "
                    "--train-mps-priority), its fine-tuning tenants' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE ('' the default)")
+    p.add_argument("--rounds", type=int, default=1, help="run the fleets this many times, every other round in "
+                   "reverse order (the first fleet on a fresh executor has run slow), and print each fleet's mean too")
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -51,7 +53,8 @@ def main() -> int:
                                    [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
                                    + [["--mode", "symbiont", "--url", url, "--index", str(i), *train, "--mps-priority", priority,
                                        "--mps-threads", threads] for i in range(a.finetune)]))
-            for name, fleet_args in fleets:
+            order = [f for r in range(a.rounds) for f in (fleets if r % 2 == 0 else fleets[::-1])]
+            for name, fleet_args in order:
                 before = fleet.executor_stats(url)
                 res, base, peak = fleet.run_fleet(fleet_args, a.seconds)
                 after = fleet.executor_stats(url)
@@ -70,6 +73,17 @@ def main() -> int:
     for r in rows:
         print(f"{r['policy']:<14} {r['fleet']:<40} {r['generated_per_s']:>9.1f} {r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>7.2f} "
               f"{r['trained_per_s']:>13.0f} {r['batches']['calls_per_batch']:>11.2f}")
+    if a.rounds > 1:  # each fleet's mean over its rounds, and its ITL against the first fleet's (the decoding-only one)
+        print(f"means over {a.rounds} rounds (every other in reverse order):")
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            mine = [r for r in rows if r["policy"] == policy]
+            names = list(dict.fromkeys(r["fleet"] for r in mine))
+            mean = {n: {k: sum(r[k] for r in mine if r["fleet"] == n) / sum(r["fleet"] == n for r in mine)
+                        for k in ("generated_per_s", "itl_p50_ms", "itl_p99_ms", "trained_per_s")} for n in names}
+            for n in names:
+                m = mean[n]
+                print(f"{policy:<14} {n:<40} {m['generated_per_s']:>9.1f} {m['itl_p50_ms']:>8.2f} {m['itl_p99_ms']:>7.2f} "
+                      f"{m['trained_per_s']:>13.0f}  ITL p50 {m['itl_p50_ms'] / mean[names[0]]['itl_p50_ms']:.2f}x the first")
     path = out / f"s4_{a.model}_{a.tag}.json"
     path.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     print(f"wrote {path}")
