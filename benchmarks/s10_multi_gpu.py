@@ -185,7 +185,7 @@ def main() -> int:
         for r in rows:
             if r["who"].startswith("symbiont") and "failed" not in r:
                 print(f"{r['k']:>3} {r['who']:<22} {r['tokens_per_s'] / fsdp:.2f}x")
-    print("* each rank's training wait p50 over its last 4096 calls at the row's end")
+    print("* each rank's training wait p50 over its last 4096 queued calls at the row's end")
     save()
     print(f"wrote {path}")
     return 0

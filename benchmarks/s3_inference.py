@@ -50,6 +50,10 @@ def main() -> int:
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
+    if a.tenant_waits and not set(a.tenant_waits.split(",")) <= {"auto", "spin", "yield", "blocking"}:
+        p.error(f"--tenant-waits {a.tenant_waits}: each of auto, spin, yield, blocking")
+    if a.py_spy_native and not a.py_spy:
+        p.error("--py-spy-native samples the N of --py-spy: give that too")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
@@ -106,7 +110,7 @@ def main() -> int:
                 mine = [*common[:common.index("--cuda-waits")], "--cuda-waits", wait_mode, *common[common.index("--cuda-waits") + 2:]]
                 who = f"symbiont {policy}" + (f", waits {wait_mode}" if a.tenant_waits else "")
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *mine] for i in range(n)]
-                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{wait_mode if a.tenant_waits else ''}_{side}_pyspy.txt"
+                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{'-' + wait_mode if a.tenant_waits else ''}_{side}_pyspy.txt"
                              for side in ("executor", "tenant0")]
                 spies = []
 

@@ -12,13 +12,15 @@ over the rows and every gradient element are the same kernels on the same values
 unchunked loss, so the loss and the logits' gradient are identical.
 
 virtualize() installs it as the model's `loss_function` where that is transformers'
-ForCausalLMLoss (not while torch.compile traces: the compiler fuses the unchunked loss itself).
+ForCausalLMLoss (not while torch.compile traces: the compiler fuses the unchunked loss itself). It
+has no second derivative: a backward with create_graph raises.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 CHUNK_BYTES = 64 << 20  # one chunk's float32 log-softmax
 _REDUCTIONS = {"mean": 1, "sum": 2}  # (ATen's Reduction enum)
@@ -30,25 +32,29 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
-        if logits.device.type == "cpu":  # (on a GPU a bad target reads a column of its row, never beyond: no sync to check it)
+        if logits.device.type == "cpu":  # (transformers' error; on a GPU a bad label fails the device as there)
             bad = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
             if bad.any():
                 raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
-        rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+        # rows a chunk: a multiple of 4, so every row of a chunk lies at the same offset modulo 16
+        # bytes as in one float32 [rows, vocab] (CUDA's log_softmax splits a row's sum by it)
+        rows = max(4, CHUNK_BYTES // (4 * logits.shape[1]) // 4 * 4)
         picked = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)  # [rows, 1]: log p(target)
-        safe = target.clamp(min=0).unsqueeze(1)  # (an ignored row's index: any column; nll skips it)
+        safe = torch.where(target == ignore_index, 0, target).unsqueeze(1)  # (an ignored row's: any column; nll skips it)
         for s in range(0, logits.shape[0], rows):
             torch.gather(torch.log_softmax(logits[s : s + rows].float(), -1), 1, safe[s : s + rows], out=picked[s : s + rows])
         # the reduction nll_loss makes over [rows, vocab] is over the rows' picked values alone
-        column = torch.where(target == ignore_index, ignore_index, 0)
-        loss, total_weight = torch.ops.aten.nll_loss_forward(picked, column, None, _REDUCTIONS[reduction], ignore_index)
+        column = torch.where(target == ignore_index, -1, 0)  # (-1: ignored, whatever ignore_index is)
+        loss, total_weight = torch.ops.aten.nll_loss_forward(picked, column, None, _REDUCTIONS[reduction], -1)
         ctx.save_for_backward(logits, target, total_weight)
         ctx.rows, ctx.ignore_index, ctx.reduction = rows, ignore_index, _REDUCTIONS[reduction]
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # (create_graph: this backward is not differentiable)
+            raise RuntimeError("the chunked loss has no second derivative: virtualize(..., chunked_loss=False) for "
+                               "transformers' loss, or set model.loss_function")
         logits, target, total_weight = ctx.saved_tensors
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):
@@ -81,10 +87,14 @@ def install(root) -> bool:
     """Makes causal_lm_loss the loss of `root` (a transformers model) where its loss is
     ForCausalLMLoss; says whether it did."""
     try:
+        from transformers import PreTrainedModel
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
         return False
-    if not hasattr(type(root), "loss_function"):  # (not a transformers model)
+    # (transformers' own property: not a class that defines its loss, nor a module set as the loss)
+    if inspect.getattr_static(type(root), "loss_function", None) is not PreTrainedModel.__dict__["loss_function"]:
+        return False
+    if "loss_function" in getattr(root, "_modules", {}):
         return False
     # as PreTrainedModel.loss_function finds it (an unknown or no loss type: ForCausalLMLoss), without its warning
     loss = root.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(root, "loss_type", None) or "", ForCausalLMLoss)
