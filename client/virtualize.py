@@ -116,22 +116,34 @@ def _confirming(transports):
 
 
 FULL_MASK_MODELS = ("llama", "mistral", "qwen2")
-"""Model types whose forward reads its attention mask only to build the causal mask, where a 2-D
-mask with no position masked and no mask at all give the same one (transformers' masking_utils)."""
+"""Model types whose forward reads its attention mask only to build the causal mask (transformers'
+masking_utils), where at a decoding step a 2-D mask with no position masked and no mask give the
+same one."""
 
 
 def _dropping_full_masks(root: nn.Module):
-    """A forward pre-hook: an eager sdpa or eager-attention forward given a 2-D attention mask with
-    no position masked gets None instead, which builds the same causal mask. The mask's check
-    (`.all()`, a wait for the GPU) then happens here, as the forward starts, where transformers
-    makes it after the embedding call, so the wait was for the executor's reply (8.9-15.8% of a
-    decoding tenant's main thread at 16 tenants, benchmarks/RESULTS.md). Off while torch.compile
-    traces: compiled, transformers never skips a mask it is given, and None would skip it."""
+    """A forward pre-hook for a decoding step (one token a row, a DynamicCache, sdpa attention, no
+    sliding window): a 2-D attention mask with no position masked goes to the model as None, from
+    which transformers skips the causal mask alike. Its check (`.all()`, a wait for the GPU) then
+    happens as the forward starts, where transformers makes it inside the mask's creation right
+    after the embedding call, so a tenant waited there for the executor's reply (8.9-15.8% of a
+    decoding tenant's main thread at 16 tenants, benchmarks/RESULTS.md). transformers' generate
+    drops a full mask itself from some version after 5.17; this does it for a forward before that.
+    A padded batch's step pays one sync more (its mask is kept). Off while torch.compile traces."""
+    from transformers import DynamicCache
+
+    config = root.config
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True))
 
     def hook(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if (mask is None or torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor) or mask.dim() != 2
-                or getattr(root.config, "_attn_implementation", None) not in ("sdpa", "eager") or not bool(mask.all())):
+        mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if (mask is None or tokens is None or sliding or torch.compiler.is_compiling() or type(cache) is not DynamicCache
+                or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens.dim() < 2 or tokens.shape[1] != 1
+                or getattr(config, "_attn_implementation", None) != "sdpa"
+                or mask.shape[-1] != cache.get_seq_length() + 1 or not bool(mask.all())):
             return None
         return args, {**kwargs, "attention_mask": None}
 

@@ -409,14 +409,10 @@ def test_modules_with_a_forward_of_their_own_under_peft_either_side(tmp_path, me
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2"])
 def test_generate_with_attention_masks_identical(executor_for, name):
-    # a full mask (generate's own, every position a token) and a left-padded batch: the same tokens
-    # and scores as the unsplit model; a full mask reaches the model's forward as None (the one
-    # sync for it at the forward's start), a padded one as it is
+    # a full mask (every position a token) and a left-padded batch: the same tokens and scores
     ex = executor_for(name)
     ref = build_builtin(name)
     virt = virtualize(build_builtin(name), ex.url)
-    seen = []
-    virt.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")), with_kwargs=True)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     full = ids(2, 7, seed=4)
     padded = full.clone()
@@ -427,5 +423,37 @@ def test_generate_with_attention_masks_identical(executor_for, name):
         b = virt.generate(prompt, attention_mask=m, **kw)
         assert torch.equal(a.sequences, b.sequences)
         assert all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
-    if name != "tiny-gemma2":  # (not of FULL_MASK_MODELS: its masks go as generate gives them)
-        assert len(seen) == 12 and all(s is None for s in seen[:6]) and all(s is not None for s in seen[6:]), [type(s) for s in seen]
+
+
+def test_a_decoding_steps_full_mask_goes_as_none(executor):
+    # a decoding step's full 2-D mask reaches the model's layers as None (its .all() made as the
+    # forward starts, not after the embedding call), with logits bitwise the unsplit model's; a
+    # prefill's, a padded step's, a packed one without a cache and eager attention's stay as given
+    from transformers import DynamicCache
+
+    ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
+    virt.config._attn_implementation = ref.config._attn_implementation = "sdpa"  # (the built-ins' is eager)
+    seen = []
+    virt.model.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("attention_mask")), with_kwargs=True)
+    x, nxt = ids(2, 5, seed=6), ids(2, 1, seed=7)
+    padded = torch.ones(2, 6, dtype=torch.long)
+    padded[0, 0] = 0
+    with torch.no_grad():
+        for step_mask in (torch.ones(2, 6, dtype=torch.long), padded):
+            outs = []
+            for m in (ref, virt):
+                cache = DynamicCache(config=m.config)
+                m(x, attention_mask=step_mask[:, :5], past_key_values=cache, use_cache=True)
+                outs.append(m(nxt, attention_mask=step_mask, past_key_values=cache, use_cache=True).logits)
+            assert torch.equal(*outs)
+        assert seen[0] is not None and seen[1] is None and seen[2] is not None and seen[3] is not None
+        packed = torch.tensor([[0, 1, 2, 0, 1]] * 2)  # (two sequences a row: transformers reads them from position_ids without a mask)
+        a = ref(x, attention_mask=torch.ones_like(x), position_ids=packed, use_cache=False).logits
+        assert torch.equal(a, virt(x, attention_mask=torch.ones_like(x), position_ids=packed, use_cache=False).logits)
+        assert seen[-1] is not None
+        virt.config._attn_implementation = ref.config._attn_implementation = "eager"
+        for m in (ref, virt):
+            cache = DynamicCache(config=m.config)
+            m(x, attention_mask=torch.ones_like(x), past_key_values=cache, use_cache=True)
+            outs.append(m(nxt, attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=cache, use_cache=True).logits)
+        assert torch.equal(outs[-2], outs[-1]) and seen[-1] is not None
