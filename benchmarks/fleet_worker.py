@@ -215,6 +215,10 @@ def main() -> int:
                    "normal: its kernels' blocks go after other clients')")
     p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
                    "the GPU's SMs its kernels may use)")
+    p.add_argument("--transformers-loss", action="store_true", help="symbiont: the model keeps transformers' "
+                   "ForCausalLMLoss instead of the chunked loss virtualize installs (client/loss.py)")
+    p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
+                   "(client/virtualize.py FULL_MASK_MODELS emptied before the model is built)")
     p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
                    help="how this process's threads wait for its GPU (proto/cuda_ipc.set_host_waits): CUDA's "
                    "default spins a core while it waits, which 16 processes on 16 cores can make the executor wait for")
@@ -228,7 +232,15 @@ def main() -> int:
 
         set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
 
+    if a.keep_full_masks:
+        import symbiont.client.virtualize as virtualize_module
+
+        virtualize_module.FULL_MASK_MODELS = ()
     model, conn = build(a)
+    if a.transformers_loss and a.mode == "symbiont":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        model.loss_function = ForCausalLMLoss
     targets = a.targets.split(",")
     names = None
     if a.role == "infer-mixed":

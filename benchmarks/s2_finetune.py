@@ -30,6 +30,10 @@ def main() -> int:
     p.add_argument("--policies", default="opportunistic")
     p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (overrides --policies)')
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
+    p.add_argument("--tenant-flags", default="", help='tenant fleets to compare on each executor, "NAME=WORKER FLAGS;..." '
+                   '(fleet_worker.py, e.g. "chunked=;transformers=--transformers-loss")')
+    p.add_argument("--rounds", type=int, default=1, help="with --tenant-flags: run them this many times, every other "
+                   "round in reverse order")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
@@ -69,12 +73,13 @@ def main() -> int:
         ex_profile = out / f"s2_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ks else None
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
         try:
-            for k in ks:
+            for k, (variant, extra) in ((k, v) for k in ks for v in fleet.tenant_variants(a.tenant_flags, a.rounds)):
+                who = f"symbiont {policy}" + (f", {variant}" if variant else "")
                 before = fleet.executor_stats(url)
                 spy_path = out / f"s2_{a.model}_k{k}_{policy}_executor_pyspy.txt"
                 spies = []
                 on_go = (lambda _, __: spies.append(fleet.py_spy(proc.pid, a.seconds * 0.8, spy_path))) if a.py_spy == k else None
-                workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common] for i in range(k)]
+                workers = [["--mode", "symbiont", "--url", url, "--index", str(i), *common, *extra] for i in range(k)]
                 res, base, peak = fleet.run_fleet(workers, a.seconds, on_go=on_go)
                 after = fleet.executor_stats(url)
                 for spy in spies:
@@ -82,21 +87,21 @@ def main() -> int:
                     from s6_profile import top_frames
                     print(top_frames(spy_path, fleet.REPO), flush=True)
                 # the executor's memory is in `base` (started before the fleet): count it once
-                rows.append({"k": k, "who": f"symbiont {policy}", **fleet.finetune_figures(res),
+                rows.append({"k": k, "who": who, **fleet.finetune_figures(res),
                              "gpu_used": peak - base + int(before.get("gpu_reserved_bytes", 0)) + int(before.get("mailbox_bytes", 0)),
                              "gpu_used_total": peak, "batches": fleet.batch_share(before, after)})
                 print(json.dumps(rows[-1]), flush=True)
                 if k in profile_ks:
-                    profiled(workers, f"symbiont {policy}", k, (proc, ex_profile))
+                    profiled(workers, who, k, (proc, ex_profile))
         finally:
             fleet.stop(proc)
     flops = FLOPS_PER_TOKEN.get(a.model)
     print(f"\nS2 {a.model}, {a.batch} x {a.seq} tokens per step, {a.seconds:.0f} s windows")
-    print(f"{'K':>3} {'who':<24} {'tokens/s':>9} {'step p50':>9} {'p99':>7} {'GPU GB':>7} {'% peak':>7} {'calls/batch':>11}  executor's host")
+    print(f"{'K':>3} {'who':<34} {'tokens/s':>9} {'step p50':>9} {'p99':>7} {'GPU GB':>7} {'% peak':>7} {'calls/batch':>11}  executor's host")
     for r in rows:
         share = f"{100 * r['tokens_per_s'] * flops / PEAK_BF16:.1f}" if flops else "-"
         cpb = r.get("batches", {}).get("calls_per_batch")
-        print(f"{r['k']:>3} {r['who']:<24} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {r['step_p99_ms']:>7.1f} "
+        print(f"{r['k']:>3} {r['who']:<34} {r['tokens_per_s']:>9.0f} {r['step_p50_ms']:>8.1f} {r['step_p99_ms']:>7.1f} "
               f"{r['gpu_used'] / 1e9:>7.1f} {share:>7} {'' if cpb is None else f'{cpb:.2f}':>11}  "
               f"{fleet.host_figures(r.get('batches', {}))}")
     path = out / f"s2_{a.model}_{a.tag}.json"

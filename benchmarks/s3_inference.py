@@ -39,6 +39,10 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tenant-flags", default="", help='tenant fleets to compare on each executor, "NAME=WORKER FLAGS;..." '
+                   '(fleet_worker.py, e.g. "drop=;keep=--keep-full-masks")')
+    p.add_argument("--rounds", type=int, default=1, help="with --tenant-flags: run them this many times, every other "
+                   "round in reverse order")
     p.add_argument("--tenant-waits", default="", help="comma list of --cuda-waits values: the tenants once per value "
                    "(the processes keep --cuda-waits)")
     p.add_argument("--py-spy-native", action="store_true", help="with --py-spy: tenant 0 and process 0 sampled with "
@@ -105,12 +109,13 @@ def main() -> int:
         ex_profile = out / f"s3_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ns else None
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)
         try:
-            for n, wait_mode in ((n, w) for n in ns for w in (a.tenant_waits or a.cuda_waits).split(",")):
+            variants = fleet.tenant_variants(a.tenant_flags, a.rounds)
+            for n, wait_mode, (variant, extra) in ((n, w, v) for n in ns for w in (a.tenant_waits or a.cuda_waits).split(",") for v in variants):
                 before = fleet.executor_stats(url)
-                mine = [*common[:common.index("--cuda-waits")], "--cuda-waits", wait_mode, *common[common.index("--cuda-waits") + 2:]]
-                who = f"symbiont {policy}" + (f", waits {wait_mode}" if a.tenant_waits else "")
+                mine = [*common[:common.index("--cuda-waits")], "--cuda-waits", wait_mode, *common[common.index("--cuda-waits") + 2:], *extra]
+                who = f"symbiont {policy}" + (f", waits {wait_mode}" if a.tenant_waits else "") + (f", {variant}" if variant else "")
                 workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *mine] for i in range(n)]
-                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{'-' + wait_mode if a.tenant_waits else ''}_{side}_pyspy.txt"
+                spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{'-' + wait_mode if a.tenant_waits else ''}{'-' + variant if variant else ''}_{side}_pyspy.txt"
                              for side in ("executor", "tenant0")]
                 spies = []
 
