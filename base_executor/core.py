@@ -13,6 +13,7 @@ from symbiont.base_executor import runner
 from symbiont.base_executor.adapters import AdapterError, AdapterRegistry
 from symbiont.base_executor.catalog import EMBEDDING, MLP, SPAN, Unit, UnitTable
 from symbiont.base_executor.scheduler import Call, Refused, Scheduler, SchedulerConfig
+from symbiont.proto import codec
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto.codec import NAME_OF, TORCH_OF
 
@@ -232,8 +233,9 @@ class ExecutorCore:
         if not ids.numel():
             return
         low, high = (bounds if bounds is not None else torch.stack(torch.aminmax(ids.view(-1)))).tolist()
-        if low < 0 or high >= unit.in_features:
-            raise CallError(pb.INVALID_ARGUMENT, f"ids for {unit.id!r} must lie in [0, {unit.in_features}), got [{low}, {high}]")
+        message = codec.ids_out_of_range(unit.id, unit.in_features, low, high)
+        if message is not None:
+            raise CallError(pb.INVALID_ARGUMENT, message)
 
     def merge_stats(self) -> dict:
         """StatsReply's merged-mode fields."""

@@ -35,12 +35,17 @@ def executor_variants(a) -> list[tuple[str, list[str]]]:
     return [(p, ["--policy", p, *a.serve_args.split()]) for p in a.policies.split(",")]
 
 
+def alternating(items: list, rounds: int) -> list:
+    """`items` `rounds` times, every other time in reverse order (a fleet run first on a fresh
+    executor has run slow)."""
+    return [x for r in range(rounds) for x in (items if r % 2 == 0 else items[::-1])]
+
+
 def tenant_variants(spec: str, rounds: int = 1) -> list[tuple[str, list[str]]]:
     """The tenant fleets a runner runs on each executor: `--tenant-flags "NAME=WORKER FLAGS;..."`
-    (fleet_worker.py's flags), in that order and, every other of `rounds`, in reverse (a fleet run
-    first on a fresh executor has run slow); [("", [])] without a spec."""
+    (fleet_worker.py's flags), alternating over `rounds`; [("", [])] without a spec."""
     variants = [(n.strip(), f.split()) for n, _, f in (item.partition("=") for item in spec.split(";"))] if spec else [("", [])]
-    return [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    return alternating(variants, rounds)
 
 
 def start_executor(model: str, device: str, *flags: str, log_dir: pathlib.Path,

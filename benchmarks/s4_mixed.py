@@ -53,8 +53,7 @@ def main() -> int:
                                    [["--mode", "symbiont", "--url", url, "--index", str(i), *infer] for i in range(a.inference)]
                                    + [["--mode", "symbiont", "--url", url, "--index", str(i), *train, "--mps-priority", priority,
                                        "--mps-threads", threads] for i in range(a.finetune)]))
-            order = [f for r in range(a.rounds) for f in (fleets if r % 2 == 0 else fleets[::-1])]
-            for name, fleet_args in order:
+            for name, fleet_args in fleet.alternating(fleets, a.rounds):
                 before = fleet.executor_stats(url)
                 res, base, peak = fleet.run_fleet(fleet_args, a.seconds)
                 after = fleet.executor_stats(url)

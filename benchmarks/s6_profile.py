@@ -159,36 +159,36 @@ _PYTHON = re.compile(r"\(.*\.py:\d+\)$")  # a Python frame of py-spy's: "name (p
 def native_leaves(path: pathlib.Path, thread: str = "fleet_worker", n: int = 15) -> str:
     """From a py-spy --native profile: the shares of a worker's main thread by its innermost frame
     where that is native code (CUDA's driver, torch's C++, the C library), and the share in Python."""
+    def name(frames):
+        leaf = frames[-1]
+        if _PYTHON.search(leaf):
+            return "(Python)"
+        return ("unnamed " + leaf.partition(" ")[2]) if leaf.startswith("0x") else leaf[:110]  # (no symbol: its library)
+
+    return _shares(path, thread, name, n)
+
+
+def _shares(path: pathlib.Path, thread: str, name, n: int | None = None) -> str:
+    """Shares of the samples of stacks through `thread`, by name(frames), most first."""
     if not path.exists():
         return "(no samples)"
     shares, total = collections.Counter(), 0
     for frames, c in _stacks(path, thread):
         total += c
-        leaf = frames[-1]
-        if _PYTHON.search(leaf):
-            leaf = "(Python)"
-        elif leaf.startswith("0x"):  # (no symbol: its library)
-            leaf = "unnamed " + leaf.partition(" ")[2]
-        shares[leaf[:110]] += c
+        shares[name(frames)] += c
     if not total:
         return "(no samples of the main thread)"
-    return "\n".join(f"{100 * c / total:6.1f}%  {name}" for name, c in shares.most_common(n))
+    return "\n".join(f"{100 * c / total:6.1f}%  {label}" for label, c in shares.most_common(n))
 
 
 def waits(path: pathlib.Path, thread: str = "fleet_worker") -> str:
     """The shares of a decoding worker's main thread (stacks through `thread`) spent at the waits
     of WAITS, from py-spy's collapsed stacks, and the rest (its own host work)."""
-    if not path.exists():
-        return "(no samples)"
-    shares, total = collections.Counter(), 0
-    for frames, c in _stacks(path, thread):
-        total += c
+    def name(frames):
         leaf = next((f for f in reversed(frames) if _PYTHON.search(f)), frames[-1])  # (a native profile: the innermost Python frame)
-        name = next((n for n, piece in WAITS if piece in leaf), "its own work (Python, launches)")
-        shares[name] += c
-    if not total:
-        return "(no samples of the main thread)"
-    return "\n".join(f"{100 * c / total:6.1f}%  {name}" for name, c in shares.most_common())
+        return next((n for n, piece in WAITS if piece in leaf), "its own work (Python, launches)")
+
+    return _shares(path, thread, name)
 
 
 def top_frames(path: pathlib.Path, repo: pathlib.Path = REPO, n: int = 25, within: str = "") -> str:

@@ -40,11 +40,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # bytes as in one float32 [rows, vocab] (CUDA's log_softmax splits a row's sum by it)
         rows = max(4, CHUNK_BYTES // (4 * logits.shape[1]) // 4 * 4)
         picked = torch.empty(logits.shape[0], 1, dtype=torch.float32, device=logits.device)  # [rows, 1]: log p(target)
-        safe = torch.where(target == ignore_index, 0, target).unsqueeze(1)  # (an ignored row's: any column; nll skips it)
+        ignored = target == ignore_index
+        safe = torch.where(ignored, 0, target).unsqueeze(1)  # (an ignored row's: any column; nll skips it)
         for s in range(0, logits.shape[0], rows):
             torch.gather(torch.log_softmax(logits[s : s + rows].float(), -1), 1, safe[s : s + rows], out=picked[s : s + rows])
         # the reduction nll_loss makes over [rows, vocab] is over the rows' picked values alone
-        column = torch.where(target == ignore_index, -1, 0)  # (-1: ignored, whatever ignore_index is)
+        column = torch.where(ignored, -1, 0)  # (-1: ignored, whatever ignore_index is)
         loss, total_weight = torch.ops.aten.nll_loss_forward(picked, column, None, _REDUCTIONS[reduction], -1)
         ctx.save_for_backward(logits, target, total_weight)
         ctx.rows, ctx.ignore_index, ctx.reduction = rows, ignore_index, _REDUCTIONS[reduction]

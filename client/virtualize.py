@@ -121,10 +121,18 @@ masking_utils), where at a decoding step a 2-D mask with no position masked and 
 same one."""
 
 
+def _drops_full_masks(config) -> bool:
+    """Whether a model of this config gets _dropping_full_masks: one of FULL_MASK_MODELS without
+    sliding-window layers (whose masks are built whatever the padding: no sync to move)."""
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True))
+    return getattr(config, "model_type", None) in FULL_MASK_MODELS and not sliding
+
+
 def _dropping_full_masks(root: nn.Module):
-    """A forward pre-hook for a decoding step (one token a row, a DynamicCache, sdpa attention, no
-    sliding window): a 2-D attention mask with no position masked goes to the model as None, from
-    which transformers skips the causal mask alike. Its check (`.all()`, a wait for the GPU) then
+    """A forward pre-hook for a decoding step (one token a row, a DynamicCache, sdpa attention): a
+    2-D attention mask with no position masked goes to the model as None, from which transformers
+    skips the causal mask alike. Its check (`.all()`, a wait for the GPU) then
     happens as the forward starts, where transformers makes it inside the mask's creation right
     after the embedding call, so a tenant waited there for the executor's reply (8.9-15.8% of a
     decoding tenant's main thread at 16 tenants, benchmarks/RESULTS.md). transformers' generate
@@ -133,14 +141,12 @@ def _dropping_full_masks(root: nn.Module):
     from transformers import DynamicCache
 
     config = root.config
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True))
 
     def hook(module, args, kwargs):
         mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
         tokens = kwargs.get("input_ids", args[0] if args else None)
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
-        if (mask is None or tokens is None or sliding or torch.compiler.is_compiling() or type(cache) is not DynamicCache
+        if (mask is None or tokens is None or torch.compiler.is_compiling() or type(cache) is not DynamicCache
                 or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens.dim() < 2 or tokens.shape[1] != 1
                 or getattr(config, "_attn_implementation", None) != "sdpa"
                 or mask.shape[-1] != cache.get_seq_length() + 1 or not bool(mask.all())):
@@ -338,7 +344,7 @@ def virtualize(
             ref._mask = mask
     if chunked_loss:
         loss.install(root)
-    if getattr(config, "model_type", None) in FULL_MASK_MODELS:
+    if _drops_full_masks(config):
         root.register_forward_pre_hook(_dropping_full_masks(root), with_kwargs=True)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transports))

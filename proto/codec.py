@@ -16,6 +16,14 @@ NAME_OF = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 DTYPE_BY_NAME = {v: k for k, v in NAME_OF.items()}
 
 
+def ids_out_of_range(unit: str, rows: int, low: int, high: int) -> str | None:
+    """The error message of embedding ids whose lowest is `low` and highest `high`, for a table of
+    `rows` rows (None: they lie in it): the executor's check and a tenant transport's alike."""
+    if low < 0 or high >= rows:
+        return f"ids for {unit!r} must lie in [0, {rows}), got [{low}, {high}]"
+    return None
+
+
 def dtype_enum(dtype: torch.dtype) -> int:
     """The wire enum of a torch dtype; TypeError for dtypes no unit takes."""
     try:

@@ -20,13 +20,13 @@ import dataclasses
 import torch
 
 from symbiont.client.errors import InvalidCallError
+from symbiont.proto import codec
 
 
 def ids_error(unit: str, rows: int, low: int, high: int) -> InvalidCallError | None:
     """The error of ids whose lowest is `low` and highest `high`, for a table of `rows` rows (None: fine)."""
-    if low < 0 or high >= rows:
-        return InvalidCallError(f"ids for {unit!r} must lie in [0, {rows}), got [{low}, {high}]")
-    return None
+    message = codec.ids_out_of_range(unit, rows, low, high)
+    return None if message is None else InvalidCallError(message)
 
 
 @dataclasses.dataclass(slots=True)
