@@ -4,8 +4,8 @@ words? (GPU, MPS on; written in session 42, not yet run.)
 A decoding tenant's token is ~19 handoffs on the GPU: its stream writes a word the executor's
 stream waits for, and back (cuStreamWriteValue32 / cuStreamWaitValue32, csrc/stream_ops.cpp). At
 16 tenants many streams wait on words at once. Going from 1 to 8 tenants made a tenant's token 1.5x
-slower (20 to ~30 ms on an H200, session 42), from 8 to 16 not at all, while 16 processes slowed
-1.1x. If the GPU's front end serves waiting streams more slowly the more of them there are, this
+slower (20 to ~31 ms on an H200, benchmarks/RESULTS.md session 42), from 8 to 16 not at all,
+while a process went from 26.4 ms alone to 28-37 ms at 16. If the GPU's front end serves waiting streams more slowly the more of them there are, this
 shows it: processes A and B pass a word back and forth `--iters` times, queued ahead on both sides
 and timed on the GPU (CUDA events around A's chain), while `--blocked` streams of other processes
 wait on a word that is written only at the end.
