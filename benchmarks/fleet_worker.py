@@ -215,8 +215,8 @@ def main() -> int:
                    "normal: its kernels' blocks go after other clients')")
     p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
                    "the GPU's SMs its kernels may use)")
-    p.add_argument("--transformers-loss", action="store_true", help="symbiont: the model keeps transformers' "
-                   "ForCausalLMLoss instead of the chunked loss virtualize installs (client/loss.py)")
+    p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
+                   help="symbiont: the causal-LM loss, as virtualize(..., lm_loss=) takes it (client/loss.py)")
     p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
                    "(client/virtualize.py FULL_MASK_MODELS emptied before the model is built)")
     p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
@@ -237,10 +237,12 @@ def main() -> int:
 
         virtualize_module.FULL_MASK_MODELS = ()
     model, conn = build(a)
-    if a.transformers_loss and a.mode == "symbiont":
+    if a.lm_loss != "fused" and a.mode == "symbiont":  # (what virtualize installs: set it as lm_loss= would)
         from transformers.loss.loss_utils import ForCausalLMLoss
 
-        model.loss_function = ForCausalLMLoss
+        from symbiont.client.loss import causal_lm_loss
+
+        model.loss_function = ForCausalLMLoss if a.lm_loss == "transformers" else causal_lm_loss
     targets = a.targets.split(",")
     names = None
     if a.role == "infer-mixed":

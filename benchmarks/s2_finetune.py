@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--executors", default="", help='executors to compare, "NAME=FLAGS;NAME=FLAGS" (overrides --policies)')
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--tenant-flags", default="", help='tenant fleets to compare on each executor, "NAME=WORKER FLAGS;..." '
-                   '(fleet_worker.py, e.g. "chunked=;transformers=--transformers-loss")')
+                   '(fleet_worker.py, e.g. "fused=;chunked=--lm-loss chunked")')
     p.add_argument("--rounds", type=int, default=1, help="with --tenant-flags: run them this many times, every other "
                    "round in reverse order")
     p.add_argument("--seconds", type=float, default=20.0)

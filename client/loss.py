@@ -12,8 +12,10 @@ over the rows and every gradient element are the same kernels on the same values
 unchunked loss, so the loss and the logits' gradient are identical.
 
 virtualize() installs it as the model's `loss_function` where that is transformers'
-ForCausalLMLoss (not while torch.compile traces: the compiler fuses the unchunked loss itself). It
-has no second derivative: a backward with create_graph raises.
+ForCausalLMLoss (not while torch.compile traces: the compiler fuses the unchunked loss itself):
+by default as fused_causal_lm_loss, which on a GPU takes the loss in client/fused_loss.py's two
+kernels instead (less memory traffic; equal within float32 rounding, not bit for bit), and these
+chunks elsewhere. Neither has a second derivative: a backward with create_graph raises.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+CHOICES = ("fused", "chunked", "transformers")  # virtualize(..., lm_loss=)
 CHUNK_BYTES = 64 << 20  # one chunk's float32 log-softmax
 _REDUCTIONS = {"mean": 1, "sum": 2}  # (ATen's Reduction enum)
 
@@ -54,7 +57,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if torch.is_grad_enabled():  # (create_graph: this backward is not differentiable)
-            raise RuntimeError("the chunked loss has no second derivative: virtualize(..., chunked_loss=False) for "
+            raise RuntimeError("the chunked loss has no second derivative: virtualize(..., lm_loss='transformers') for "
                                "transformers' loss, or set model.loss_function")
         logits, target, total_weight = ctx.saved_tensors
         out = torch.empty_like(logits)
@@ -67,6 +70,27 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, shift_labels=None, **kwargs):
     """transformers' ForCausalLMLoss, its cross entropy in row chunks (module docstring)."""
+    return _causal_lm_loss(False, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+
+
+def fused_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, shift_labels=None, **kwargs):
+    """transformers' ForCausalLMLoss, on a GPU in client/fused_loss.py's two kernels (the same
+    function within float32 rounding), elsewhere in row chunks as causal_lm_loss."""
+    return _causal_lm_loss(True, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+
+
+def _fused(logits: torch.Tensor):
+    """client.fused_loss where it takes these logits [rows, vocab] (CUDA, Triton present), else None."""
+    if not logits.is_cuda:
+        return None
+    try:
+        from symbiont.client import fused_loss
+    except ImportError:  # (no Triton)
+        return None
+    return fused_loss if fused_loss.usable(logits) else None
+
+
+def _causal_lm_loss(fused: bool, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs):
     if torch.compiler.is_compiling():
         from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -76,7 +100,9 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
         shift_labels = labels[..., 1:].contiguous()
     target = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = ChunkedCrossEntropy.apply(logits.reshape(-1, vocab_size), target, ignore_index, reduction)
+    rows = logits.reshape(-1, vocab_size)
+    kernels = _fused(rows) if fused else None
+    loss = (kernels.FusedCrossEntropy if kernels else ChunkedCrossEntropy).apply(rows, target, ignore_index, reduction)
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -84,9 +110,9 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ign
     return loss
 
 
-def install(root) -> bool:
-    """Makes causal_lm_loss the loss of `root` (a transformers model) where its loss is
-    ForCausalLMLoss; says whether it did."""
+def install(root, fused: bool = True) -> bool:
+    """Makes fused_causal_lm_loss (`fused`) or causal_lm_loss the loss of `root` (a transformers
+    model) where its loss is ForCausalLMLoss; says whether it did."""
     try:
         from transformers import PreTrainedModel
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
@@ -101,5 +127,5 @@ def install(root) -> bool:
     loss = root.__dict__.get("_loss_function") or LOSS_MAPPING.get(getattr(root, "loss_type", None) or "", ForCausalLMLoss)
     if loss is not ForCausalLMLoss:
         return False
-    root.loss_function = causal_lm_loss
+    root.loss_function = fused_causal_lm_loss if fused else causal_lm_loss
     return True

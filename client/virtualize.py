@@ -226,7 +226,7 @@ def virtualize(
     device: torch.device | str | None = None,
     mask=None,
     adapter: str | None = None,
-    chunked_loss: bool = True,
+    lm_loss: str = "fused",
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -242,9 +242,12 @@ def virtualize(
     adapter the executor hosts (Connection.host_adapter, or the provider's): the executor adds it
     to the calls of the units it adapts (forward and input gradient; it is frozen), and the model
     needs no adapter code; a fused group's call carries it for its adapted members, while a gated
-    MLP block with an adapted Linear calls its Linears one by one. With `chunked_loss`, a causal
-    LM's loss (transformers' ForCausalLMLoss) is taken in row chunks, bit for bit the same, without
-    its full-vocabulary float32 tensors (client/loss.py).
+    MLP block with an adapted Linear calls its Linears one by one. `lm_loss` is how a causal LM's
+    loss (where the model uses transformers' ForCausalLMLoss) is taken: "fused" (default) in two
+    Triton kernels on a GPU, the same function within float32 rounding, reading the logits once a
+    pass and holding one float a row (client/fused_loss.py), elsewhere as "chunked"; "chunked", in
+    row chunks, bit for bit transformers', without its full-vocabulary float32 tensors
+    (client/loss.py); "transformers" keeps transformers' own.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -253,6 +256,8 @@ def virtualize(
     from symbiont.client import dora, loss
     from symbiont.client.connection import Connection, connect
 
+    if lm_loss not in loss.CHOICES:
+        raise ValueError(f"lm_loss must be one of {', '.join(map(repr, loss.CHOICES))}, got {lm_loss!r}")
     dora.install()  # (PEFT's DoRA layers over shims, made before or after this)
     conn = executor if isinstance(executor, Connection) else connect(executor)
     catalog = conn.catalog()
@@ -342,8 +347,8 @@ def virtualize(
     if mask is not None:
         for ref in [*shims.values(), *groups, *expert_refs]:
             ref._mask = mask
-    if chunked_loss:
-        loss.install(root)
+    if lm_loss != "transformers":
+        loss.install(root, fused=lm_loss == "fused")
     if _drops_full_masks(config):
         root.register_forward_pre_hook(_dropping_full_masks(root), with_kwargs=True)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in

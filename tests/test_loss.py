@@ -1,5 +1,6 @@
-"""The tenant's causal-LM loss in row chunks (client/loss.py): the same loss and logits gradient as
-transformers' ForCausalLMLoss, bit for bit, without a full-vocabulary float32 tensor kept."""
+"""The tenant's causal-LM loss: in row chunks (client/loss.py) the same loss and logits gradient as
+transformers' ForCausalLMLoss, bit for bit, without a full-vocabulary float32 tensor kept; fused
+(client/fused_loss.py, Triton; here in its interpreter) the same within float32 rounding."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from symbiont import virtualize
 from symbiont.base_executor.models import build_builtin
+from symbiont.client import fused_loss
 from symbiont.client import loss as chunked
 
 
@@ -48,6 +50,47 @@ def test_it_has_no_second_derivative():
         torch.autograd.grad(loss, logits, create_graph=True)
 
 
+def _assert_fused_close(a, ga, b, gb):
+    """The fused loss (b, gb) against cross_entropy's (a, ga): the loss within float32 rounding of
+    the sum's order, each gradient element within one step of its dtype (float32: 1e-5 relative)."""
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    eps = 1e-5 if ga.dtype == torch.float32 else torch.finfo(ga.dtype).eps
+    torch.testing.assert_close(gb, ga, rtol=eps, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_fused_cross_entropy_is_cross_entropy_within_rounding(dtype, reduction, ignore_index):
+    torch.manual_seed(4)
+    vocab = fused_loss.BLOCK + 907  # (two blocks a row, the second ragged)
+    logits = torch.randn(11, vocab, dtype=dtype) * 4
+    target = torch.randint(0, vocab, (11,))
+    target[::4] = ignore_index
+    (a, ga), (b, gb) = _both(
+        lambda x: F.cross_entropy(x.float(), target, ignore_index=ignore_index, reduction=reduction),
+        lambda x: fused_loss.FusedCrossEntropy.apply(x, target, ignore_index, reduction),
+        logits,
+    )
+    assert not a.isnan() and gb.dtype == dtype and b.dtype == torch.float32
+    _assert_fused_close(a, ga, b, gb)
+    assert not gb[::4].any()  # (ignored rows: no gradient)
+
+
+def test_fused_cross_entropy_edges():
+    logits = torch.randn(6, 50, dtype=torch.bfloat16)
+    (a, ga), (b, gb) = _both(lambda x: F.cross_entropy(x.float(), torch.full((6,), -100), reduction="mean"),
+                             lambda x: fused_loss.FusedCrossEntropy.apply(x, torch.full((6,), -100), -100, "mean"), logits)
+    assert a.isnan() and b.isnan() and not gb.any()  # every row ignored: 0 / 0, as nll_loss
+    bad = torch.tensor([3, 50, 7, -2, 1, 0])  # two targets outside the vocabulary: their rows' loss is NaN
+    assert fused_loss.FusedCrossEntropy.apply(logits.float(), bad, -100, "sum").isnan()
+    x = logits.float().requires_grad_(True)
+    loss = fused_loss.FusedCrossEntropy.apply(x, torch.randint(0, 50, (6,)), -100, "mean")
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    assert not fused_loss.usable(logits)  # (a CPU tensor: the exact chunks take it)
+
+
 def test_causal_lm_loss_is_transformers_loss(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 97 * 5)
     torch.manual_seed(1)
@@ -83,7 +126,8 @@ def test_virtualize_installs_it_and_training_stays_exact(executor, monkeypatch):
     torch.manual_seed(2)
     x = torch.randint(1, 256, (2, 16))
     ref, virt = build_builtin("tiny-llama"), virtualize(build_builtin("tiny-llama"), executor.url)
-    assert virt.loss_function is chunked.causal_lm_loss and ref.loss_function is ForCausalLMLoss
+    # (fused by default: on a CPU it takes the exact chunks)
+    assert virt.loss_function is chunked.fused_causal_lm_loss and ref.loss_function is ForCausalLMLoss
     for m in (ref, virt):  # a trainable part of the tenant's own: the final norm
         m.requires_grad_(False)
         m.model.norm.weight.requires_grad_(True)
@@ -110,8 +154,13 @@ def test_a_model_with_another_loss_keeps_it(executor):
     model = build_builtin("tiny-llama")
     model.loss_function = torch.nn.CrossEntropyLoss()  # (a module set as the loss)
     assert not chunked.install(model)
-    virt = virtualize(build_builtin("tiny-llama"), executor.url, chunked_loss=False)
+    virt = virtualize(build_builtin("tiny-llama"), executor.url, lm_loss="transformers")
     assert virt.loss_function is ForCausalLMLoss
+    assert virtualize(build_builtin("tiny-llama"), executor.url, lm_loss="chunked").loss_function is chunked.causal_lm_loss
+    model = build_builtin("tiny-llama")
+    with pytest.raises(ValueError, match="lm_loss must be one of"):
+        virtualize(model, executor.url, lm_loss="fast")
+    assert model.loss_function is ForCausalLMLoss  # (unchanged)
 
 
 @pytest.mark.gpu
@@ -144,3 +193,32 @@ def test_on_a_gpu_bitwise_and_a_full_vocabulary_less(monkeypatch, reduction, voc
     assert torch.equal(a, b) and torch.equal(ga, gb)
     full = 1024 * vocab * 4  # one float32 [tokens, vocabulary]
     assert peaks[1] < peaks[0] - full, [p / 2**20 for p in peaks]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("vocab", [128256, 50257])
+def test_on_a_gpu_fused_within_rounding_and_less_memory_than_the_chunks(reduction, vocab):
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    logits = torch.randn(1024, vocab, dtype=torch.bfloat16, device=dev) * 4
+    target = torch.randint(0, vocab, (1024,), device=dev)
+    target[::9] = -100
+    results, peaks = [], []
+    for fn in (lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction),
+               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction),
+               lambda x: fused_loss.FusedCrossEntropy.apply(x, target, -100, reduction)):
+        x = logits.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        value = fn(x)
+        value.backward(torch.tensor(1.3, device=dev))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((value.detach(), x.grad))
+        del x, value
+    (a, ga), _, (b, gb) = results
+    _assert_fused_close(a, ga, b, gb)
+    grad = 1024 * vocab * 2  # the logits' gradient, bfloat16: all the fused loss holds besides a float a row
+    assert peaks[2] < grad + (1 << 20) < peaks[1], [p / 2**20 for p in peaks]

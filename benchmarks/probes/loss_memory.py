@@ -1,6 +1,7 @@
 """What a causal LM's loss adds to a process's peak memory, and takes in time, over the logits it is
-given: transformers' ForCausalLMLoss against the tenant's chunked loss (client/loss.py), forward and
-backward, each in a fresh process (peak resident memory on the CPU; the allocator's peak on a GPU).
+given: transformers' ForCausalLMLoss against the tenant's chunked loss (client/loss.py) and, on a
+GPU, its fused loss (client/fused_loss.py), forward and backward, each in a fresh process (peak
+resident memory on the CPU; on a GPU the allocator's peak and the median time of 10 after a first).
 
     python3 benchmarks/probes/loss_memory.py                       # S2's step: 2 x 512 tokens, llama's 128,256 vocabulary
     python3 benchmarks/probes/loss_memory.py --device cuda
@@ -9,6 +10,7 @@ import argparse
 import json
 import pathlib
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -20,14 +22,22 @@ def one(mode: str, batch: int, seq: int, vocab: int, device: str) -> dict:
     import torch
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from symbiont.client.loss import causal_lm_loss
+    from symbiont.client.loss import causal_lm_loss, fused_causal_lm_loss
 
-    fn = ForCausalLMLoss if mode == "transformers" else causal_lm_loss
+    fn = {"transformers": ForCausalLMLoss, "chunked": causal_lm_loss, "fused": fused_causal_lm_loss}[mode]
     torch.manual_seed(0)
     logits = torch.randn(batch, seq, vocab, device=device, dtype=torch.bfloat16).mul_(4).requires_grad_(True)  # (no float32 temporary)
     labels = torch.randint(0, vocab, (batch, seq), device=device)
     cuda = device.startswith("cuda")
-    if cuda:
+    times = []
+    if cuda:  # (a first pass: Triton compiles its kernels; then ten timed)
+        for _ in range(11):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(logits, labels, vocab).backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            logits.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -38,7 +48,7 @@ def one(mode: str, batch: int, seq: int, vocab: int, device: str) -> dict:
     loss.backward()
     if cuda:
         torch.cuda.synchronize()
-    took = time.perf_counter() - t0
+    took = statistics.median(times[1:]) if cuda else time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
     return {"loss": mode, "peak_added_mib": round((peak - base) / 2**20, 1), "seconds": round(took, 3), "value": loss.item()}
 
@@ -56,7 +66,8 @@ def main() -> None:
         return
     logits_mib = a.batch * a.seq * a.vocab * 2 / 2**20
     print(f"logits {a.batch} x {a.seq} x {a.vocab} bfloat16 on {a.device}: {logits_mib:.0f} MiB; the loss's peak over them:")
-    for mode in ("transformers", "chunked", "transformers", "chunked"):
+    modes = ("transformers", "chunked", "fused") if a.device.startswith("cuda") else ("transformers", "chunked")
+    for mode in modes * 2:
         out = subprocess.run([sys.executable, __file__, "--one", mode, "--batch", str(a.batch), "--seq", str(a.seq),
                               "--vocab", str(a.vocab), "--device", a.device], capture_output=True, text=True, check=True)
         print(out.stdout.strip().splitlines()[-1], flush=True)
