@@ -13,8 +13,8 @@ rows.
 The same function as transformers' loss (logits.float() then cross_entropy), within float32
 rounding: the sum of exponentials is taken in another order, so the loss differs in its last
 bits and a logit's gradient can round to its neighbour in bfloat16 (tests/test_loss.py states the
-tolerance). A target outside the vocabulary (other than ignore_index) makes its row's loss NaN
-where transformers' kernel would fail the device.
+tolerance). A target outside the vocabulary (other than ignore_index) fails the device, as in
+transformers' kernel (an assertion on the GPU; on a CPU, in the tests, a RuntimeError).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _forward_kernel(x_ptr, target_ptr, lse_ptr, loss_ptr, vocab, stride, ignore_
     # grid: (rows,); program r: row r's log-sum-exp and its loss (0 for an ignored row)
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
-    m = -float("inf")
+    m = -3.4028234663852886e38  # (float32's lowest, not -inf: a first block all -inf would make exp(-inf + inf))
     s = 0.0
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -72,7 +72,14 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"the fused loss reduces by 'mean' or 'sum', got {reduction!r}")
         rows, vocab = logits.shape
+        target = target.to(logits.device).contiguous()
+        # a label outside the vocabulary fails the device as transformers' loss does (no host sync;
+        # on a CPU, at once), instead of training on a NaN loss's finite gradient
+        torch._assert_async(((target == ignore_index) | ((target >= 0) & (target < vocab))).all(),
+                            "the fused loss: a label outside the vocabulary (and not ignore_index)")
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         per_row = torch.empty(rows, dtype=torch.float32, device=logits.device)
         with _on(logits):
@@ -91,7 +98,7 @@ class FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if torch.is_grad_enabled():  # (create_graph: this backward is not differentiable)
-            raise RuntimeError("the fused loss has no second derivative: virtualize(..., loss='transformers') for "
+            raise RuntimeError("the fused loss has no second derivative: virtualize(..., lm_loss='transformers') for "
                                "transformers' loss, or set model.loss_function")
         logits, target, lse, scale = ctx.saved_tensors
         rows, vocab = logits.shape

@@ -82,8 +82,18 @@ def test_fused_cross_entropy_edges():
     (a, ga), (b, gb) = _both(lambda x: F.cross_entropy(x.float(), torch.full((6,), -100), reduction="mean"),
                              lambda x: fused_loss.FusedCrossEntropy.apply(x, torch.full((6,), -100), -100, "mean"), logits)
     assert a.isnan() and b.isnan() and not gb.any()  # every row ignored: 0 / 0, as nll_loss
-    bad = torch.tensor([3, 50, 7, -2, 1, 0])  # two targets outside the vocabulary: their rows' loss is NaN
-    assert fused_loss.FusedCrossEntropy.apply(logits.float(), bad, -100, "sum").isnan()
+    for bad in (torch.tensor([3, 50, 7, 9, 1, 0]), torch.tensor([3, -1, 7, 9, 1, 0])):  # a target outside the vocabulary
+        with pytest.raises(RuntimeError, match="label outside the vocabulary"):
+            fused_loss.FusedCrossEntropy.apply(logits.float(), bad, -100, "sum")
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        fused_loss.FusedCrossEntropy.apply(logits.float(), torch.zeros(6, dtype=torch.long), -100, "none")
+    # a row whose first block is all -inf (a masked vocabulary), and a strided target
+    wide = torch.randn(4, fused_loss.BLOCK + 100)
+    wide[:, : fused_loss.BLOCK] = -float("inf")
+    target = torch.randint(fused_loss.BLOCK, fused_loss.BLOCK + 100, (8,))[::2]
+    (a, ga), (b, gb) = _both(lambda x: F.cross_entropy(x, target), lambda x: fused_loss.FusedCrossEntropy.apply(x, target, -100, "mean"), wide)
+    assert not a.isnan()
+    _assert_fused_close(a, ga, b, gb)
     x = logits.float().requires_grad_(True)
     loss = fused_loss.FusedCrossEntropy.apply(x, torch.randint(0, 50, (6,)), -100, "mean")
     with pytest.raises(RuntimeError, match="no second derivative"):
@@ -109,6 +119,20 @@ def test_causal_lm_loss_is_transformers_loss(monkeypatch):
     # every label ignored: nan, as transformers gives, and zero gradients
     (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.causal_lm_loss, logits, torch.full_like(labels, -100), 97)
     assert a.isnan() and b.isnan() and torch.equal(ga, gb)
+
+
+def test_fused_causal_lm_loss_through_the_kernels_is_transformers_loss(monkeypatch):
+    assert chunked._fused(torch.randn(4, 97)) is None  # (a CPU's logits: the chunks)
+    monkeypatch.setattr(chunked, "_fused", lambda logits: fused_loss)  # (here: the kernels in Triton's interpreter)
+    torch.manual_seed(6)
+    logits = torch.randn(3, 11, 97, dtype=torch.bfloat16)
+    labels = torch.randint(0, 97, (3, 11))
+    labels[0, :4] = -100
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}, {"num_items_in_batch": 9},
+                   {"shift_labels": torch.roll(labels, -1, 1)}, {"ignore_index": 5}):
+        mine = labels.clamp(min=0) if "ignore_index" in kwargs else labels
+        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.fused_causal_lm_loss, logits, mine, 97, **kwargs)
+        _assert_fused_close(a, ga, b, gb)
 
 
 def test_it_keeps_no_full_vocabulary_float32_tensor():
@@ -196,12 +220,13 @@ def test_on_a_gpu_bitwise_and_a_full_vocabulary_less(monkeypatch, reduction, voc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("vocab", [128256, 50257])
-def test_on_a_gpu_fused_within_rounding_and_less_memory_than_the_chunks(reduction, vocab):
+def test_on_a_gpu_fused_within_rounding_and_less_memory_than_the_chunks(dtype, reduction, vocab):
     dev = torch.device("cuda")
     torch.manual_seed(5)
-    logits = torch.randn(1024, vocab, dtype=torch.bfloat16, device=dev) * 4
+    logits = torch.randn(1024, vocab, dtype=dtype, device=dev) * 4
     target = torch.randint(0, vocab, (1024,), device=dev)
     target[::9] = -100
     results, peaks = [], []
@@ -220,5 +245,5 @@ def test_on_a_gpu_fused_within_rounding_and_less_memory_than_the_chunks(reductio
         del x, value
     (a, ga), _, (b, gb) = results
     _assert_fused_close(a, ga, b, gb)
-    grad = 1024 * vocab * 2  # the logits' gradient, bfloat16: all the fused loss holds besides a float a row
+    grad = logits.numel() * logits.element_size()  # the logits' gradient: all the fused loss holds besides a float a row
     assert peaks[2] < grad + (1 << 20) < peaks[1], [p / 2**20 for p in peaks]
