@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from symbiont.client.loss import refuse_second_derivative
+
 BLOCK = 4096  # vocabulary entries a program reads at once
 
 
@@ -97,9 +99,7 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if torch.is_grad_enabled():  # (create_graph: this backward is not differentiable)
-            raise RuntimeError("the fused loss has no second derivative: virtualize(..., lm_loss='transformers') for "
-                               "transformers' loss, or set model.loss_function")
+        refuse_second_derivative("fused")
         logits, target, lse, scale = ctx.saved_tensors
         rows, vocab = logits.shape
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)

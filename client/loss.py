@@ -29,6 +29,13 @@ CHUNK_BYTES = 64 << 20  # one chunk's float32 log-softmax
 _REDUCTIONS = {"mean": 1, "sum": 2}  # (ATen's Reduction enum)
 
 
+def refuse_second_derivative(which: str) -> None:
+    """In a loss's backward: raises where it is asked for a graph of itself (create_graph)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"the {which} loss has no second derivative: virtualize(..., lm_loss='transformers') for "
+                           "transformers' loss, or set model.loss_function")
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """cross_entropy(logits.float(), target, ignore_index, reduction) over rows in chunks, keeping
     only `logits` for the backward. logits: [rows, vocab] (any float dtype); target: [rows] int64."""
@@ -56,9 +63,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if torch.is_grad_enabled():  # (create_graph: this backward is not differentiable)
-            raise RuntimeError("the chunked loss has no second derivative: virtualize(..., lm_loss='transformers') for "
-                               "transformers' loss, or set model.loss_function")
+        refuse_second_derivative("chunked")
         logits, target, total_weight = ctx.saved_tensors
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):

@@ -189,6 +189,28 @@ def test_a_model_with_another_loss_keeps_it(executor):
     assert model.loss_function is ForCausalLMLoss  # (unchanged)
 
 
+def _cross_entropy_of(target, reduction):
+    return lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction)
+
+
+def _on_a_gpu(logits, *losses):
+    """Each loss's (value, logits.grad) on its own copy of the GPU's logits, and its allocator peak
+    over them, forward and backward."""
+    results, peaks = [], []
+    for fn in losses:
+        x = logits.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        value = fn(x)
+        value.backward(torch.tensor(1.3, device=logits.device))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((value.detach(), x.grad))
+        del x, value
+    return results, peaks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("vocab", [128256, 50257])
@@ -202,19 +224,8 @@ def test_on_a_gpu_bitwise_and_a_full_vocabulary_less(monkeypatch, reduction, voc
     logits = torch.randn(1024, vocab, dtype=torch.bfloat16, device=dev) * 4
     target = torch.randint(0, vocab, (1024,), device=dev)
     target[::9] = -100
-    results, peaks = [], []
-    for fn in (lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction),
-               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction)):
-        x = logits.clone().requires_grad_(True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        value = fn(x)
-        value.backward(torch.tensor(1.3, device=dev))
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
-        results.append((value.detach(), x.grad))
-        del x, value
+    results, peaks = _on_a_gpu(logits, _cross_entropy_of(target, reduction),
+                               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction))
     (a, ga), (b, gb) = results
     assert torch.equal(a, b) and torch.equal(ga, gb)
     full = 1024 * vocab * 4  # one float32 [tokens, vocabulary]
@@ -231,20 +242,9 @@ def test_on_a_gpu_fused_within_rounding_and_less_memory_than_the_chunks(dtype, r
     logits = torch.randn(1024, vocab, dtype=dtype, device=dev) * 4
     target = torch.randint(0, vocab, (1024,), device=dev)
     target[::9] = -100
-    results, peaks = [], []
-    for fn in (lambda x: F.cross_entropy(x.float(), target, ignore_index=-100, reduction=reduction),
-               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction),
-               lambda x: fused_loss.FusedCrossEntropy.apply(x, target, -100, reduction)):
-        x = logits.clone().requires_grad_(True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        value = fn(x)
-        value.backward(torch.tensor(1.3, device=dev))
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
-        results.append((value.detach(), x.grad))
-        del x, value
+    results, peaks = _on_a_gpu(logits, _cross_entropy_of(target, reduction),
+                               lambda x: chunked.ChunkedCrossEntropy.apply(x, target, -100, reduction),
+                               lambda x: fused_loss.FusedCrossEntropy.apply(x, target, -100, reduction))
     (a, ga), _, (b, gb) = results
     _assert_fused_close(a, ga, b, gb)
     grad = logits.numel() * logits.element_size()  # the logits' gradient: all the fused loss holds besides a float a row
