@@ -118,10 +118,12 @@ def free_port() -> int:
 
 
 def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
-    """Starts one process per argument list (fleet_worker.py's), waits for every `ready`, says `go`
+    """Starts one process per argument list (fleet_worker.py's; one with `--tenants N` gives N
+    results), waits for every `ready`, says `go`
     to all with one start time (then calls `on_go(start, pids)`: a profiler of the steady state), and returns
     (their results, GPU 0's used memory before they started, its peak while they worked); with
     per_gpu, those two for every GPU (lists)."""
+    wants = [int(w[w.index("--tenants") + 1]) if "--tenants" in w else 1 for w in workers]  # (result lines a worker gives)
     base = GpuMemory()
     with base:
         time.sleep(0.6)
@@ -143,14 +145,17 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
             if on_go is not None:
                 on_go(start, [p.pid for p in procs])
             results = []
-            for p in procs:
+            for p, want in zip(procs, wants):
+                got = 0
                 for line in p.stdout:
                     if line.startswith("result "):
                         results.append(json.loads(line[len("result "):]))
-                        break
+                        got += 1
+                        if got == want:
+                            break
                 p.wait(timeout_s)
-        if len(results) != len(procs):
-            raise RuntimeError(f"{len(procs) - len(results)} workers gave no result")
+        if len(results) != sum(wants):
+            raise RuntimeError(f"{sum(wants) - len(results)} of {sum(wants)} results missing (a worker failed)")
         return (results, base.peaks, mem.peaks) if per_gpu else (results, base.peak, mem.peak)
     finally:
         for p in procs:

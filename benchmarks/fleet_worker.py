@@ -24,6 +24,7 @@ own batch (data parallel); its tokens per step are its own, so the fleet's sum i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -179,63 +180,9 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -
     return {"start": start, "runs": runs, "rows": rows}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["plain", "symbiont", "fsdp"], required=True)
-    p.add_argument("--role", choices=["finetune", "infer", "infer-mixed"], required=True)
-    p.add_argument("--url", default="")
-    p.add_argument("--model", default="llama-1b")
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--index", type=int, default=0, help="this tenant's number: picks its rank (8/16/32/64 cycling)")
-    p.add_argument("--targets", default="q_proj,v_proj")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=1, help="infer-mixed: how many adapters (rows) one process serves")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compile", default="", choices=["", "default", "reduce-overhead"],
-                   help="infer: a static KV cache and generate's forward compiled in this torch.compile mode (none: eager)")
-    p.add_argument("--seconds", type=float, default=20.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", help="plain and fsdp: the model's dtype")
-    p.add_argument("--fsdp-rank", type=int, default=0)
-    p.add_argument("--fsdp-world", type=int, default=1)
-    p.add_argument("--fsdp-port", type=int, default=29511)
-    p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
-    p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
-                   "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
-    p.add_argument("--shared", action="store_true", help="S9, symbiont: name the provider's registered adapter s9-K "
-                   "(the executor computes it; the tenant holds none)")
-    p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
-    p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
-    p.add_argument("--checkpointing", action="store_true", help="finetune: gradient checkpointing (HF's), to fit "
-                   "more jobs at the cost of a second forward")
-    p.add_argument("--mps-priority", default="", help="this process's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below "
-                   "normal: its kernels' blocks go after other clients')")
-    p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
-                   "the GPU's SMs its kernels may use)")
-    p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
-                   help="symbiont: the causal-LM loss, as virtualize(..., lm_loss=) takes it (client/loss.py)")
-    p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
-                   "(client/virtualize.py FULL_MASK_MODELS emptied before the model is built)")
-    p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
-                   help="how this process's threads wait for its GPU (proto/cuda_ipc.set_host_waits): CUDA's "
-                   "default spins a core while it waits, which 16 processes on 16 cores can make the executor wait for")
-    a = p.parse_args()
-    if a.mps_priority:  # (read when CUDA starts in this process, which is below)
-        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
-    if a.mps_threads:
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
-    if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
-        from symbiont.proto.cuda_ipc import set_host_waits
-
-        set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
-
-    if a.keep_full_masks:
-        import symbiont.client.virtualize as virtualize_module
-
-        virtualize_module.FULL_MASK_MODELS = ()
+def prepare(a):
+    """This tenant's or process's model as its role needs it (LoRA, hosted, FSDP, train or eval),
+    its connection (None for a plain process) and infer-mixed's adapter names."""
     model, conn = build(a)
     if a.lm_loss != "fused" and a.mode == "symbiont":  # (what virtualize installs: set it as lm_loss= would)
         from transformers.loss.loss_utils import ForCausalLMLoss
@@ -276,24 +223,144 @@ def main() -> int:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.eval()
+    return model, conn, names
+
+
+def wait_for_go(a) -> tuple[float, float]:
+    """After warm-up: says ready, waits for go; the shared start and the deadline (perf_counter)."""
+    print("ready", flush=True)
+    line = sys.stdin.readline().split()
+    assert line and line[0] == "go", line
+    start = float(line[1])  # the parent's perf_counter is not ours: it sends the wall clock
+    now_wall, now = time.time(), time.perf_counter()
+    start_local = now - (now_wall - start)
+    return start_local, start_local + a.seconds
+
+
+def several(a) -> int:
+    """--tenants N: N decoding tenants in this process, each its own connection, adapter (ranks by
+    index, from --index on) and thread, with one ready/go for all; one result line each. More
+    tenants than MPS takes processes (48 a GPU) run so, at the price of sharing one interpreter's lock."""
+    import copy
+    import threading
+
+    tenants = []
+    for j in range(a.tenants):
+        mine = copy.copy(a)
+        mine.index, mine.tenants = a.index + j, 1
+        model, conn, _ = prepare(mine)
+        tenants.append((mine, model, conn))
+    window = {}
+    ready = threading.Barrier(len(tenants), action=lambda: window.update(w=wait_for_go(a)))  # (after every warm-up)
 
     def deadline_of():
-        """After warm-up: says ready, waits for go; the shared start and the deadline."""
-        print("ready", flush=True)
-        line = sys.stdin.readline().split()
-        assert line and line[0] == "go", line
-        start = float(line[1])  # the parent's perf_counter is not ours: it sends the wall clock
-        now_wall, now = time.time(), time.perf_counter()
-        start_local = now - (now_wall - start)
+        ready.wait()
+        return window["w"]
+
+    outs: list = [None] * len(tenants)
+
+    def run(j):
+        mine, model, _ = tenants[j]
+        try:  # (each on a stream of its own: on the process's one default stream the tenants' work would queue in one line)
+            with torch.cuda.stream(torch.cuda.Stream(a.device)) if "cuda" in a.device else contextlib.nullcontext():
+                outs[j] = infer(mine, model, deadline_of)
+        except BaseException as e:  # (the others must not wait for this one at the barrier)
+            outs[j] = e
+            ready.abort()
+
+    threads = [threading.Thread(target=run, args=(j,), name=f"tenant-{t[0].index}") for j, t in enumerate(tenants)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [o for o in outs if isinstance(o, BaseException) and not isinstance(o, threading.BrokenBarrierError)]
+    if failed or any(isinstance(o, BaseException) for o in outs):
+        raise failed[0] if failed else outs[0]
+    for (mine, _, conn), out in zip(tenants, outs):
+        if "cuda" in a.device:
+            out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)  # (the process's: every tenant's)
+        out.update(role=a.role, mode=a.mode, index=mine.index)
+        print("result " + json.dumps(out), flush=True)
+        conn.close()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["plain", "symbiont", "fsdp"], required=True)
+    p.add_argument("--role", choices=["finetune", "infer", "infer-mixed"], required=True)
+    p.add_argument("--url", default="")
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--index", type=int, default=0, help="this tenant's number: picks its rank (8/16/32/64 cycling)")
+    p.add_argument("--targets", default="q_proj,v_proj")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=1, help="infer-mixed: how many adapters (rows) one process serves")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", default="", choices=["", "default", "reduce-overhead"],
+                   help="infer: a static KV cache and generate's forward compiled in this torch.compile mode (none: eager)")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tenants", type=int, default=1, help="symbiont infer: this many tenants in this process, each "
+                   "its own connection, adapter and thread (indexes from --index on)")
+    p.add_argument("--dtype", default="bfloat16", help="plain and fsdp: the model's dtype")
+    p.add_argument("--fsdp-rank", type=int, default=0)
+    p.add_argument("--fsdp-world", type=int, default=1)
+    p.add_argument("--fsdp-port", type=int, default=29511)
+    p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
+    p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
+                   "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
+    p.add_argument("--shared", action="store_true", help="S9, symbiont: name the provider's registered adapter s9-K "
+                   "(the executor computes it; the tenant holds none)")
+    p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")
+    p.add_argument("--profile-window", default="0.4,0.6", help="its start and end, as shares of --seconds")
+    p.add_argument("--checkpointing", action="store_true", help="finetune: gradient checkpointing (HF's), to fit "
+                   "more jobs at the cost of a second forward")
+    p.add_argument("--mps-priority", default="", help="this process's CUDA_MPS_CLIENT_PRIORITY (0 normal, 1 below "
+                   "normal: its kernels' blocks go after other clients')")
+    p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
+                   "the GPU's SMs its kernels may use)")
+    p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
+                   help="symbiont: the causal-LM loss, as virtualize(..., lm_loss=) takes it (client/loss.py)")
+    p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
+                   "(client/virtualize.py FULL_MASK_MODELS emptied before the model is built)")
+    p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
+                   help="how this process's threads wait for its GPU (proto/cuda_ipc.set_host_waits): CUDA's "
+                   "default spins a core while it waits, which 16 processes on 16 cores can make the executor wait for")
+    a = p.parse_args()
+    if a.mps_priority:  # (read when CUDA starts in this process, which is below)
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
+    if a.mps_threads:
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
+    if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
+        from symbiont.proto.cuda_ipc import set_host_waits
+
+        set_host_waits(torch.device(a.device).index or 0, a.cuda_waits)
+
+    if a.keep_full_masks:
+        import symbiont.client.virtualize as virtualize_module
+
+        virtualize_module.FULL_MASK_MODELS = ()
+    if a.tenants > 1:
+        if a.mode != "symbiont" or a.role != "infer" or a.profile:
+            raise SystemExit("--tenants N: symbiont tenants that decode (--role infer), without --profile")
+        return several(a)
+    model, conn, names = prepare(a)
+    profiler = []
+
+    def deadline_of():
+        window = wait_for_go(a)
         if a.profile:
             from fleet_timeline import WindowProfiler
 
             f0, f1 = (float(f) for f in a.profile_window.split(","))
             sync = (lambda: torch.cuda.synchronize(a.device)) if "cuda" in a.device else None
+            start = time.time() - (time.perf_counter() - window[0])  # (the shared start, wall clock)
             profiler.append(WindowProfiler(a.profile, start + f0 * a.seconds, start + f1 * a.seconds, sync))
-        return start_local, start_local + a.seconds
-
-    profiler = []
+        return window
 
     def tick(units):
         if profiler:

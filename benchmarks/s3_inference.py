@@ -45,6 +45,8 @@ def main() -> int:
                    "round in reverse order")
     p.add_argument("--tenant-waits", default="", help="comma list of --cuda-waits values: the tenants once per value "
                    "(the processes keep --cuda-waits)")
+    p.add_argument("--tenants-per-process", type=int, default=1, help="symbiont tenants in one process each this many "
+                   "(threads, each its own connection and adapter; fleet_worker --tenants): N beyond MPS's 48 clients a GPU")
     p.add_argument("--py-spy-native", action="store_true", help="with --py-spy: tenant 0 and process 0 sampled with "
                    "their native frames too (CUDA's driver, torch's C++), and their main threads' native leaves printed")
     p.add_argument("--py-spy", type=int, default=0, help="at this N, sample the executor, tenant 0 and process 0 with py-spy (pip install py-spy)")
@@ -58,6 +60,8 @@ def main() -> int:
         p.error(f"--tenant-waits {a.tenant_waits}: each of auto, spin, yield, blocking")
     if a.py_spy_native and not a.py_spy:
         p.error("--py-spy-native samples the N of --py-spy: give that too")
+    if a.tenants_per_process < 1 or any(int(n) % a.tenants_per_process for n in a.ns.split(",")):
+        p.error(f"--tenants-per-process {a.tenants_per_process}: each N of --ns a multiple of it")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
@@ -114,7 +118,10 @@ def main() -> int:
                 before = fleet.executor_stats(url)
                 mine = [*common[:common.index("--cuda-waits")], "--cuda-waits", wait_mode, *common[common.index("--cuda-waits") + 2:], *extra]
                 who = f"symbiont {policy}" + (f", waits {wait_mode}" if a.tenant_waits else "") + (f", {variant}" if variant else "")
-                workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *mine] for i in range(n)]
+                per = a.tenants_per_process
+                workers = [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *mine]
+                           + (["--tenants", str(per)] if per > 1 else []) for i in range(0, n, per)]
+                who += f", {per} a process" if per > 1 else ""
                 spy_paths = [out / f"s3_{a.model}_{a.tag}_n{n}_{policy}{'-' + wait_mode if a.tenant_waits else ''}{'-' + variant if variant else ''}_{side}_pyspy.txt"
                              for side in ("executor", "tenant0")]
                 spies = []

@@ -49,3 +49,17 @@ def test_s10_runs_on_cpu_ranks_and_reports_every_rank(tmp_path):
     for r in rows[2:]:
         assert len(r["batches_per_rank"]) == 2 and all(b["calls"] > 0 for b in r["batches_per_rank"]), r
     assert "adapters trained in the same time" in done.stdout
+
+
+def test_several_decoding_tenants_in_one_worker_process(executor):
+    """fleet_worker --tenants N (S3 beyond MPS's 48 processes a GPU): N tenants of one process, each
+    its own connection, adapter and thread, start on one go and give a result each."""
+    import fleet
+
+    worker = ["--mode", "symbiont", "--role", "infer", "--url", executor.url, "--model", "tiny-llama", "--device", "cpu",
+              "--prompt", "8", "--new-tokens", "4", "--warmup", "1", "--index", "5", "--tenants", "3"]
+    results, *_ = fleet.run_fleet([worker], 2.0, timeout_s=300)
+    assert sorted(r["index"] for r in results) == [5, 6, 7]
+    assert all(r["runs"] and len(r["runs"][0]) == 1 + 4 for r in results), results  # (each run: its start, 4 tokens)
+    assert len({r["start"] for r in results}) == 1  # (one go for all)
+    assert fleet.infer_figures(results)["tokens_per_s"] > 0
