@@ -5,7 +5,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 cd benchmarks && timeout -s INT 200 python3 s3_inference.py --model llama-1b --ns 64 --max-processes 0 --mixed none --seconds 8 --tenants-per-process 4 --out $OUT/s3n64 --tag s43n64 > $OUT/s3n64.log 2>&1; echo rc=$? >> $OUT/s3n64.log; cd ..
 tails $OUT/s3n64 >> $OUT/s3n64.log
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> $OUT/gpu.txt
-# beside it: 16 tenants a process each, 16 processes
+# beside it: N = 16, one tenant a process, and 16 processes
 cd benchmarks && timeout -s INT 150 python3 s3_inference.py --model llama-1b --ns 16 --max-processes 16 --mixed none --seconds 8 --out $OUT/s3n16 --tag s43n16 > $OUT/s3n16.log 2>&1; echo rc=$? >> $OUT/s3n16.log; cd ..
 tails $OUT/s3n16 >> $OUT/s3n16.log
 echo quit | nvidia-cuda-mps-control
