@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import queue
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _lines(procs: list[subprocess.Popen]) -> queue.Queue:
+    """Every worker's stdout lines as they come, as (its number, line), then (its number, None)."""
+    q = queue.Queue()
+
+    def pump(i, f):
+        for line in f:
+            q.put((i, line))
+        q.put((i, None))
+
+    for i, p in enumerate(procs):
+        threading.Thread(target=pump, args=(i, p.stdout), name=f"worker-{i}-stdout", daemon=True).start()
+    return q
+
+
+def _next_line(lines: queue.Queue, deadline: float, waiting_for: str):
+    try:
+        return lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise RuntimeError(f"{waiting_for} within the fleet's timeout") from None
+
+
 def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, on_go=None, per_gpu: bool = False):
     """Starts one process per argument list (fleet_worker.py's; one with `--tenants N` gives N
     results), waits for every `ready`, says `go`
@@ -130,13 +152,15 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
     procs = [subprocess.Popen([sys.executable, WORKER, *w, "--seconds", str(seconds)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=REPO) for w in workers]
     try:
+        lines = _lines(procs)
         deadline = time.monotonic() + timeout_s
-        for p in procs:
-            line = p.stdout.readline()
-            while line and line.strip() != "ready":
-                line = p.stdout.readline()
-            if not line or time.monotonic() > deadline:
-                raise RuntimeError(f"a worker never got ready (exit code {p.poll()})")
+        pending = set(range(len(procs)))
+        while pending:  # (any worker's line as it comes: one stuck in its warm-up does not hide another that died)
+            i, line = _next_line(lines, deadline, f"{len(pending)} of {len(procs)} workers not ready")
+            if line is None:
+                raise RuntimeError(f"worker {i} ended before it was ready (exit code {procs[i].wait()})")
+            if line.strip() == "ready":
+                pending.discard(i)
         with GpuMemory() as mem:
             start = time.time() + 0.2
             for p in procs:
@@ -144,16 +168,17 @@ def run_fleet(workers: list[list[str]], seconds: float, timeout_s: float = 900, 
                 p.stdin.flush()
             if on_go is not None:
                 on_go(start, [p.pid for p in procs])
-            results = []
-            for p, want in zip(procs, wants):
-                got = 0
-                for line in p.stdout:
-                    if line.startswith("result "):
-                        results.append(json.loads(line[len("result "):]))
-                        got += 1
-                        if got == want:
-                            break
+            got, ended = [[] for _ in procs], [False] * len(procs)
+            deadline = time.monotonic() + timeout_s
+            while any(len(g) < want and not end for g, want, end in zip(got, wants, ended)):
+                i, line = _next_line(lines, deadline, "results")
+                if line is None:
+                    ended[i] = True
+                elif line.startswith("result "):
+                    got[i].append(json.loads(line[len("result "):]))
+            for p in procs:
                 p.wait(timeout_s)
+        results = [r for g in got for r in g]  # (in the workers' order)
         if len(results) != sum(wants):
             raise RuntimeError(f"{sum(wants) - len(results)} of {sum(wants)} results missing (a worker failed)")
         return (results, base.peaks, mem.peaks) if per_gpu else (results, base.peak, mem.peak)

@@ -250,6 +250,8 @@ def several(a) -> int:
         mine.index, mine.tenants = a.index + j, 1
         model, conn, _ = prepare(mine)
         tenants.append((mine, model, conn))
+    if "cuda" in a.device:  # (the adapters were made on the default stream; each tenant runs on a stream of its own)
+        torch.cuda.synchronize(a.device)
     window = {}
     ready = threading.Barrier(len(tenants), action=lambda: window.update(w=wait_for_go(a)))  # (after every warm-up)
 
@@ -273,9 +275,9 @@ def several(a) -> int:
         t.start()
     for t in threads:
         t.join()
-    failed = [o for o in outs if isinstance(o, BaseException) and not isinstance(o, threading.BrokenBarrierError)]
-    if failed or any(isinstance(o, BaseException) for o in outs):
-        raise failed[0] if failed else outs[0]
+    errors = [o for o in outs if isinstance(o, BaseException)]
+    if errors:  # (the first that is not another's broken barrier)
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     for (mine, _, conn), out in zip(tenants, outs):
         if "cuda" in a.device:
             out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)  # (the process's: every tenant's)

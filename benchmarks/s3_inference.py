@@ -62,6 +62,8 @@ def main() -> int:
         p.error("--py-spy-native samples the N of --py-spy: give that too")
     if a.tenants_per_process < 1 or any(int(n) % a.tenants_per_process for n in a.ns.split(",")):
         p.error(f"--tenants-per-process {a.tenants_per_process}: each N of --ns a multiple of it")
+    if a.tenants_per_process > 1 and (a.gpu_profile or a.py_spy):
+        p.error("--tenants-per-process > 1 takes no --gpu-profile or --py-spy (their tallies are a process's, one tenant each)")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]

@@ -63,3 +63,16 @@ def test_several_decoding_tenants_in_one_worker_process(executor):
     assert all(r["runs"] and len(r["runs"][0]) == 1 + 4 for r in results), results  # (each run: its start, 4 tokens)
     assert len({r["start"] for r in results}) == 1  # (one go for all)
     assert fleet.infer_figures(results)["tokens_per_s"] > 0
+
+
+def test_a_worker_that_dies_before_ready_is_reported_at_once():
+    """run_fleet reads every worker's lines as they come: one that ends before `ready` (here argparse
+    refusing its mode) fails the fleet at once, not after the others' warm-ups or the timeout."""
+    import time
+
+    import fleet
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker 0 ended before it was ready \(exit code 2\)"):
+        fleet.run_fleet([["--mode", "nope", "--role", "infer"]], 1.0, timeout_s=120)
+    assert time.monotonic() - t0 < 60
