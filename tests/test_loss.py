@@ -103,16 +103,23 @@ def test_fused_cross_entropy_edges():
     assert not fused_loss.usable(logits)  # (a CPU tensor: the exact chunks take it)
 
 
-def test_causal_lm_loss_is_transformers_loss(monkeypatch):
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 97 * 5)
-    torch.manual_seed(1)
+def _causal_lm_cases(seed: int):
+    """(logits [3, 11, 97] bf16, labels, the loss's keyword arguments) for each way transformers
+    calls a causal LM's loss: mean, num_items_in_batch as a tensor and an int, shift_labels given,
+    another ignore_index."""
+    torch.manual_seed(seed)
     logits = torch.randn(3, 11, 97, dtype=torch.bfloat16)
     labels = torch.randint(0, 97, (3, 11))
     labels[0, :4] = -100
     for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}, {"num_items_in_batch": 9},
                    {"shift_labels": torch.roll(labels, -1, 1)}, {"ignore_index": 5}):
-        mine = labels.clamp(min=0) if "ignore_index" in kwargs else labels
-        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.causal_lm_loss, logits, mine, 97, **kwargs)
+        yield logits, labels.clamp(min=0) if "ignore_index" in kwargs else labels, kwargs
+
+
+def test_causal_lm_loss_is_transformers_loss(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 97 * 5)
+    for logits, labels, kwargs in _causal_lm_cases(1):
+        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.causal_lm_loss, logits, labels, 97, **kwargs)
         assert torch.equal(a, b) and torch.equal(ga, gb), kwargs
     for bad in (-100, 97):  # a label neither in the vocabulary nor the ignored one
         for fn in (ForCausalLMLoss, chunked.causal_lm_loss):
@@ -126,14 +133,8 @@ def test_causal_lm_loss_is_transformers_loss(monkeypatch):
 def test_fused_causal_lm_loss_through_the_kernels_is_transformers_loss(monkeypatch):
     assert chunked._fused(torch.randn(4, 97)) is None  # (a CPU's logits: the chunks)
     monkeypatch.setattr(chunked, "_fused", lambda logits: fused_loss)  # (here: the kernels in Triton's interpreter)
-    torch.manual_seed(6)
-    logits = torch.randn(3, 11, 97, dtype=torch.bfloat16)
-    labels = torch.randint(0, 97, (3, 11))
-    labels[0, :4] = -100
-    for kwargs in ({}, {"num_items_in_batch": torch.tensor(17)}, {"num_items_in_batch": 9},
-                   {"shift_labels": torch.roll(labels, -1, 1)}, {"ignore_index": 5}):
-        mine = labels.clamp(min=0) if "ignore_index" in kwargs else labels
-        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.fused_causal_lm_loss, logits, mine, 97, **kwargs)
+    for logits, labels, kwargs in _causal_lm_cases(6):
+        (a, ga), (b, gb) = _both(ForCausalLMLoss, chunked.fused_causal_lm_loss, logits, labels, 97, **kwargs)
         _assert_fused_close(a, ga, b, gb)
 
 
