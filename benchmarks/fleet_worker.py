@@ -72,7 +72,7 @@ def build(a):
     from symbiont import connect
 
     conn = connect(a.url, name=f"{a.role}-{a.index}")  # (calls under no_grad go in the inference class)
-    return conn.model(device=device, attn_implementation="sdpa"), conn
+    return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss), conn
 
 
 def lora(model, rank: int, targets: list[str], name: str = "default", into=None):
@@ -184,12 +184,6 @@ def prepare(a):
     """This tenant's or process's model as its role needs it (LoRA, hosted, FSDP, train or eval),
     its connection (None for a plain process) and infer-mixed's adapter names."""
     model, conn = build(a)
-    if a.lm_loss != "fused" and a.mode == "symbiont":  # (what virtualize installs: set it as lm_loss= would)
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        from symbiont.client.loss import causal_lm_loss
-
-        model.loss_function = ForCausalLMLoss if a.lm_loss == "transformers" else causal_lm_loss
     targets = a.targets.split(",")
     names = None
     if a.role == "infer-mixed":
@@ -199,7 +193,8 @@ def prepare(a):
             lora(model, RANKS[i % len(RANKS)], targets, n, into=model)
     elif a.s9_adapter >= 0 and a.shared:
         del model  # the provider's adapter: the executor computes it
-        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=f"s9-{a.s9_adapter}")
+        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=f"s9-{a.s9_adapter}",
+                           lm_loss=a.lm_loss)
     elif a.s9_adapter >= 0:
         import s9_adapters
 
@@ -216,7 +211,7 @@ def prepare(a):
         name = f"{a.role}-{a.index}"
         conn.host_adapter(name, model, device=a.device)
         del model
-        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name)
+        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name, lm_loss=a.lm_loss)
     if a.role == "finetune":
         model.train()
         if a.checkpointing:  # (each layer's activations recomputed in backward: a tenant's forward calls twice)
@@ -226,15 +221,16 @@ def prepare(a):
     return model, conn, names
 
 
-def wait_for_go(a) -> tuple[float, float]:
-    """After warm-up: says ready, waits for go; the shared start and the deadline (perf_counter)."""
+def wait_for_go(a) -> tuple[float, float, float]:
+    """After warm-up: says ready, waits for go; the shared start and the deadline (perf_counter),
+    and the start as the parent sent it (wall clock)."""
     print("ready", flush=True)
     line = sys.stdin.readline().split()
     assert line and line[0] == "go", line
     start = float(line[1])  # the parent's perf_counter is not ours: it sends the wall clock
     now_wall, now = time.time(), time.perf_counter()
     start_local = now - (now_wall - start)
-    return start_local, start_local + a.seconds
+    return start_local, start_local + a.seconds, start
 
 
 def several(a) -> int:
@@ -257,7 +253,7 @@ def several(a) -> int:
 
     def deadline_of():
         ready.wait()
-        return window["w"]
+        return window["w"][:2]
 
     outs: list = [None] * len(tenants)
 
@@ -326,7 +322,7 @@ def main() -> int:
     p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
                    "the GPU's SMs its kernels may use)")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
-                   help="symbiont: the causal-LM loss, as virtualize(..., lm_loss=) takes it (client/loss.py)")
+                   help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
     p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
                    "(client/virtualize.py FULL_MASK_MODELS emptied before the model is built)")
     p.add_argument("--cuda-waits", default="auto", choices=["auto", "spin", "yield", "blocking"],
@@ -354,15 +350,14 @@ def main() -> int:
     profiler = []
 
     def deadline_of():
-        window = wait_for_go(a)
+        start_local, deadline, start = wait_for_go(a)
         if a.profile:
             from fleet_timeline import WindowProfiler
 
             f0, f1 = (float(f) for f in a.profile_window.split(","))
             sync = (lambda: torch.cuda.synchronize(a.device)) if "cuda" in a.device else None
-            start = time.time() - (time.perf_counter() - window[0])  # (the shared start, wall clock)
             profiler.append(WindowProfiler(a.profile, start + f0 * a.seconds, start + f1 * a.seconds, sync))
-        return window
+        return start_local, deadline
 
     def tick(units):
         if profiler:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from symbiont.client.loss import refuse_second_derivative
+from symbiont.client.loss import outside_vocabulary, refuse_second_derivative
 
 BLOCK = 4096  # vocabulary entries a program reads at once
 
@@ -80,7 +80,7 @@ class FusedCrossEntropy(torch.autograd.Function):
         target = target.to(logits.device).contiguous()
         # a label outside the vocabulary fails the device as transformers' loss does (no host sync;
         # on a CPU, at once), instead of training on a NaN loss's finite gradient
-        torch._assert_async(((target == ignore_index) | ((target >= 0) & (target < vocab))).all(),
+        torch._assert_async(~outside_vocabulary(target, ignore_index, vocab).any(),
                             "the fused loss: a label outside the vocabulary (and not ignore_index)")
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         per_row = torch.empty(rows, dtype=torch.float32, device=logits.device)

@@ -29,6 +29,11 @@ CHUNK_BYTES = 64 << 20  # one chunk's float32 log-softmax
 _REDUCTIONS = {"mean": 1, "sum": 2}  # (ATen's Reduction enum)
 
 
+def outside_vocabulary(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
+    """Which labels are neither in [0, vocab) nor ignore_index (bool, target's shape)."""
+    return (target != ignore_index) & ((target < 0) | (target >= vocab))
+
+
 def refuse_second_derivative(which: str) -> None:
     """In a loss's backward: raises where it is asked for a graph of itself (create_graph)."""
     if torch.is_grad_enabled():
@@ -43,7 +48,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
         if logits.device.type == "cpu":  # (transformers' error; on a GPU a bad label fails the device as there)
-            bad = (target != ignore_index) & ((target < 0) | (target >= logits.shape[1]))
+            bad = outside_vocabulary(target, ignore_index, logits.shape[1])
             if bad.any():
                 raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
         # rows a chunk: a multiple of 4, so every row of a chunk lies at the same offset modulo 16

@@ -184,6 +184,11 @@ def test_a_model_with_another_loss_keeps_it(executor):
     virt = virtualize(build_builtin("tiny-llama"), executor.url, lm_loss="transformers")
     assert virt.loss_function is ForCausalLMLoss
     assert virtualize(build_builtin("tiny-llama"), executor.url, lm_loss="chunked").loss_function is chunked.causal_lm_loss
+    from symbiont import connect
+
+    conn = connect(executor.url)  # (a model built from the skeleton takes it too)
+    assert conn.model(lm_loss="transformers").loss_function is ForCausalLMLoss
+    conn.close()
     model = build_builtin("tiny-llama")
     with pytest.raises(ValueError, match="lm_loss must be one of"):
         virtualize(model, executor.url, lm_loss="fast")
