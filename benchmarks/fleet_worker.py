@@ -72,6 +72,8 @@ def build(a):
     from symbiont import connect
 
     conn = connect(a.url, name=f"{a.role}-{a.index}")  # (calls under no_grad go in the inference class)
+    if a.wait_replies:  # (same GPU: the host waits for each reply; nothing of ours waits on the GPU)
+        conn.transport.return_early = False
     return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss), conn
 
 
@@ -321,6 +323,8 @@ def main() -> int:
                    "normal: its kernels' blocks go after other clients')")
     p.add_argument("--mps-threads", default="", help="this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of "
                    "the GPU's SMs its kernels may use)")
+    p.add_argument("--wait-replies", action="store_true", help="symbiont on the executor's GPU: each call waits for its reply "
+                   "on the host (by default it returns at once and our GPU waits for the result)")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
     p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "

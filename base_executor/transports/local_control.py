@@ -113,10 +113,10 @@ class LocalControl:
             if kind == "detach":
                 self._reclaim(t, "detach requested")
                 return pb.ControlReply(status=_OK)
-            if kind == "grow":
-                return self._grow(t, req.grow.data_bytes)
             if kind in ADAPTER_KINDS:
                 return self.adapter_control(t.id, req)
+        if kind == "grow":  # (its new areas are made outside the lock, as an attach's)
+            return self._grow(t, req.grow.data_bytes)
         return control_error(pb.INTERNAL, f"unhandled control request {kind}")
 
     def adapter_control(self, owner: int, req: pb.ControlRequest) -> pb.ControlReply:
@@ -186,8 +186,12 @@ class LocalControl:
                 return control_error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
             tid = self._next_id
             self._next_id += 1
-            areas = self.areas.new(tid, owner, size, on_gpu)
-            t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
+        # (not under the lock, which the data loop takes every round: making a device mailbox
+        # queues GPU work, which may wait behind a stream that waits for a tenant's input, and
+        # that input may need the data loop to go on)
+        areas = self.areas.new(tid, owner, size, on_gpu)
+        t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
+        with self.lock:
             self.tenants[tid] = t
         log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
                  f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory" + (", page-locked)" if areas.pinned else ")"))
@@ -215,10 +219,15 @@ class LocalControl:
                 f"mailbox of {data_bytes} bytes asked, at most {self.config.max_mailbox_bytes} (--max-mailbox-mb)",
             )
         if data_bytes > t.areas.data_bytes:  # the outgrown areas go; calls still queued on them get no reply
-            t.held = None  # (nor a call held for its input there: its input_seq is the old mailbox's)
-            old, t.areas = t.areas, self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
-            self._fold_lane(old)
-            self.areas.retire(old, t.owner)
+            grown = self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
+            with self.lock:
+                if self.tenants.get(t.id) is not t:  # (reclaimed meanwhile: its liveness, a bad call)
+                    self.areas.retire(grown, t.owner)
+                    return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached while its mailbox grew")
+                t.held = None  # (nor a call held for its input there: its input_seq is the old mailbox's)
+                old, t.areas = t.areas, grown
+                self._fold_lane(old)
+                self.areas.retire(old, t.owner)
             log.info("tenant %d mailbox grown to %d MiB", t.id, data_bytes >> 20)
         return pb.ControlReply(
             status=_OK,
