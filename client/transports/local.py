@@ -11,11 +11,20 @@ end of every forward and backward pass; where it can, such a call is one native 
 (client/transports/local_calls.py, which also keeps the plans every call of one unit and shape
 shares). Elsewhere (peer GPU, host mailbox, words that cannot be mapped) a call waits for its
 reply.
+
+Only a process's one mailbox with an output word returns early. With two, a call returned early
+leaves a GPU wait on our side before the executor has queued anything for it; another tenant's
+input copy queued behind that wait on a hardware queue our streams share, and the first tenant's
+result queued behind the executor's wait for that input on a queue its streams share, wait for
+each other for ever (64 tenants as 16 processes of 4 on an H100 and an H200, session 44). A call
+that waits for its reply first queues its GPU wait only after the executor queued its result, so
+no such cycle forms.
 """
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 from symbiont.client.errors import (
@@ -36,6 +45,7 @@ from symbiont.proto.procs import alive
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto._doorbell import Doorbell
 
+_WAITERS: "weakref.WeakSet[LocalTransport]" = weakref.WeakSet()  # this process's transports whose GPU waits on an output word
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 # A call that needs a bigger mailbox than this is made in chunks of rows that fit, not by growing
@@ -58,7 +68,8 @@ class LocalTransport(LocalCalls, Transport):
         self._watchdog = None  # its thread, once a mailbox had an output word
         self._max_data = 0
         self.split_bytes = SPLIT_BYTES  # calls needing more mailbox than this go in chunks of rows (0: never)
-        self.return_early = True  # same GPU: a call returns before its reply (False: it waits for it)
+        self.return_early = True  # same GPU: a call returns before its reply (False: it waits for it; see _early)
+        self.owner = None  # the Connection (tenant) this transport serves, when one opened it
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
@@ -117,12 +128,15 @@ class LocalTransport(LocalCalls, Transport):
         self._plans, self._failures = {}, 0
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
-        if order is not None and order.out_word and (self._watchdog is None or not self._watchdog.is_alive()):
-            self._watchdog = start_watchdog(self)
+        if order is not None and order.out_word:
+            _WAITERS.add(self)
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = start_watchdog(self)
 
     def _unmap(self) -> None:
         """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
         box, order = self._box, self._order
+        _WAITERS.discard(self)
         if order is not None and order.out_word and box is not None:
             if self._unanswered.busy or box.detached or not self._executor_alive():
                 order.release_all(self._unanswered)  # no result may come for the calls our GPU waits for
@@ -133,6 +147,17 @@ class LocalTransport(LocalCalls, Transport):
         if box is not None:
             box.close()
             self._box = None
+
+    def _early(self) -> bool:
+        """Whether a call may return before its reply: return_early, and no other tenant of this
+        process has an output word its GPU waits on (the module's docstring says why; a sharded
+        executor's ranks are one tenant's transports, called one after another)."""
+        if not self.return_early:
+            return False
+        if len(_WAITERS) < 2:
+            return True
+        owner = self.owner if self.owner is not None else self
+        return all((t.owner if t.owner is not None else t) is owner for t in list(_WAITERS))
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -183,7 +208,7 @@ class LocalTransport(LocalCalls, Transport):
             with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
                 return self._call(unit, op, x, out_shape, out_dtype, latency, take)
         unanswered = self._unanswered
-        native = self._lane is not None and self.native_calls and self.return_early and x.device == self._order.device
+        native = self._lane is not None and self.native_calls and self._early() and x.device == self._order.device
         if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
             failures = self._box.failures()
             if failures != self._failures or unanswered.failure is not None or unanswered.failed:
@@ -233,7 +258,7 @@ class LocalTransport(LocalCalls, Transport):
         early = False  # whether the call returns before its reply
         if order is not None:
             request.input_seq = order.input_in(stream, word=direct)  # (a peer GPU's streams cannot write our words)
-            early = bool(request.input_seq and order.out_word) and self.return_early
+            early = bool(request.input_seq and order.out_word) and self._early()
         seq = request.input_seq if order is not None and order.out_word else 0  # the output word tells when its result is in
         sent = False
         try:
