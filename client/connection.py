@@ -48,7 +48,6 @@ class Connection:
         if self._spin_us is not None:
             t.spin_us = self._spin_us
         t.budget_us = self._budget_us
-        t.owner = self  # (one tenant: its ranks' transports are used one after another, never at once)
         return t
 
     @property

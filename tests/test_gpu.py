@@ -379,6 +379,9 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu(served_by):
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
         unit = "model.layers.0.mlp.down_proj"
         slow, x = gpu_tenant_and_input(ex.url, unit)
+        # (returning early beside the bystander below, another tenant of this process, as a tenant
+        # alone in its process would: their calls are made one at a time, on this thread)
+        slow.transport.return_early = True
         # once at least: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy
         # loading) synchronises the executor's GPU work, and so waits for a waiting stream (README)
         for _ in range(1 if served_by == "python" else 40):
@@ -860,6 +863,9 @@ def test_big_calls_of_tenants_that_could_batch_run_on_their_own_streams():
         with running_executor("tiny-llama", "--device", "cuda:0", "--max-wait-us", "50000", "--solo-tokens", solo,
                               "--exact") as ex:
             a, b = connect(ex.url), connect(ex.url)
+            # (two tenants of one process, called one at a time on this thread: they return early as
+            # each would alone in its process)
+            a.transport.return_early = b.transport.return_early = True
             ma = virtualize(lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda()), a)
             mb = virtualize(build_builtin("tiny-llama").cuda(), b)
             out = []

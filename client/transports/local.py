@@ -12,7 +12,8 @@ end of every forward and backward pass; where it can, such a call is one native 
 shares). Elsewhere (peer GPU, host mailbox, words that cannot be mapped) a call waits for its
 reply.
 
-Only a process's one mailbox with an output word returns early. With two, a call returned early
+Only a process's one tenant of an executor returns early. With two on one executor (each its
+own connection, its calls on a thread and stream of its own, say), a call returned early
 leaves a GPU wait on our side before the executor has queued anything for it; another tenant's
 input copy queued behind that wait on a hardware queue our streams share, and the first tenant's
 result queued behind the executor's wait for that input on a queue its streams share, wait for
@@ -23,6 +24,7 @@ no such cycle forms.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 
@@ -46,6 +48,7 @@ from symbiont.proto import executor_pb2 as pb
 from symbiont.proto._doorbell import Doorbell
 
 _WAITERS: "weakref.WeakSet[LocalTransport]" = weakref.WeakSet()  # this process's transports whose GPU waits on an output word
+_WAITERS_LOCK = threading.Lock()
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 # A call that needs a bigger mailbox than this is made in chunks of rows that fit, not by growing
@@ -68,8 +71,9 @@ class LocalTransport(LocalCalls, Transport):
         self._watchdog = None  # its thread, once a mailbox had an output word
         self._max_data = 0
         self.split_bytes = SPLIT_BYTES  # calls needing more mailbox than this go in chunks of rows (0: never)
-        self.return_early = True  # same GPU: a call returns before its reply (False: it waits for it; see _early)
-        self.owner = None  # the Connection (tenant) this transport serves, when one opened it
+        # same GPU: whether a call returns before its reply (True) or waits for it (False); None:
+        # it does while no other tenant of this process is attached to the same executor (_early)
+        self.return_early: bool | None = None
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
@@ -129,14 +133,16 @@ class LocalTransport(LocalCalls, Transport):
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if order is not None and order.out_word:
-            _WAITERS.add(self)
+            with _WAITERS_LOCK:
+                _WAITERS.add(self)
             if self._watchdog is None or not self._watchdog.is_alive():
                 self._watchdog = start_watchdog(self)
 
     def _unmap(self) -> None:
         """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
         box, order = self._box, self._order
-        _WAITERS.discard(self)
+        with _WAITERS_LOCK:
+            _WAITERS.discard(self)
         if order is not None and order.out_word and box is not None:
             if self._unanswered.busy or box.detached or not self._executor_alive():
                 order.release_all(self._unanswered)  # no result may come for the calls our GPU waits for
@@ -149,15 +155,17 @@ class LocalTransport(LocalCalls, Transport):
             self._box = None
 
     def _early(self) -> bool:
-        """Whether a call may return before its reply: return_early, and no other tenant of this
-        process has an output word its GPU waits on (the module's docstring says why; a sharded
-        executor's ranks are one tenant's transports, called one after another)."""
-        if not self.return_early:
-            return False
+        """Whether a call may return before its reply: return_early when set, else while no other
+        transport of this process whose GPU waits on an output word is attached to our executor
+        (the module's docstring says why; a sharded executor's ranks are other processes)."""
+        if self.return_early is not None:
+            return self.return_early
         if len(_WAITERS) < 2:
             return True
-        owner = self.owner if self.owner is not None else self
-        return all((t.owner if t.owner is not None else t) is owner for t in list(_WAITERS))
+        with _WAITERS_LOCK:
+            others = list(_WAITERS)
+        pid = self._executor_pid
+        return not any(t is not self and t._box is not None and t._executor_pid == pid for t in others)
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
