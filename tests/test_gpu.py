@@ -380,7 +380,9 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu(served_by):
         unit = "model.layers.0.mlp.down_proj"
         slow, x = gpu_tenant_and_input(ex.url, unit)
         # (returning early beside the bystander below, another tenant of this process, as a tenant
-        # alone in its process would: their calls are made one at a time, on this thread)
+        # alone in its process would: their calls are made one at a time, on this thread. With the
+        # default, the bystander waiting for its replies, the native-lane case failed once on an
+        # H100, session 44 call 6; its traceback was lost to the call's time limit)
         slow.transport.return_early = True
         # once at least: the executor's first launch of a GEMM kernel loads it, which (CUDA lazy
         # loading) synchronises the executor's GPU work, and so waits for a waiting stream (README)
@@ -392,7 +394,9 @@ def test_call_taken_before_its_input_is_in_waits_on_the_gpu(served_by):
                 break
         native_before = slow.stats().native_calls
         assert (native_before > 0) == (served_by == "native lane"), native_before
-        bystander = virtualize(build_builtin("tiny-llama").cuda(), ex.url)
+        bystander_conn = connect(ex.url)
+        bystander_conn.transport.return_early = True  # (as slow's: each as alone in its process)
+        bystander = virtualize(build_builtin("tiny-llama").cuda(), bystander_conn)
         ref = build_builtin("tiny-llama").cuda()
         probe = ids(1, 5).cuda()
         side = torch.cuda.Stream()  # the bystander's work must not queue behind our sleep
