@@ -192,6 +192,9 @@ class LocalControl:
         areas = self.areas.new(tid, owner, size, on_gpu)
         t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
         with self.lock:
+            if self.stopping.is_set():  # (shut down meanwhile: its tenants are reclaimed already)
+                self.areas.retire(areas, owner)
+                return control_error(pb.UNAVAILABLE, "executor is shutting down")
             self.tenants[tid] = t
         log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
                  f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory" + (", page-locked)" if areas.pinned else ")"))
@@ -221,7 +224,7 @@ class LocalControl:
         if data_bytes > t.areas.data_bytes:  # the outgrown areas go; calls still queued on them get no reply
             grown = self.areas.new(t.id, t.owner, data_bytes, t.gpu is not None)
             with self.lock:
-                if self.tenants.get(t.id) is not t:  # (reclaimed meanwhile: its liveness, a bad call)
+                if self.tenants.get(t.id) is not t or self.stopping.is_set():  # (reclaimed meanwhile: its liveness, a bad call, shutdown)
                     self.areas.retire(grown, t.owner)
                     return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached while its mailbox grew")
                 t.held = None  # (nor a call held for its input there: its input_seq is the old mailbox's)

@@ -19,12 +19,15 @@ input copy queued behind that wait on a hardware queue our streams share, and th
 result queued behind the executor's wait for that input on a queue its streams share, wait for
 each other for ever (64 tenants as 16 processes of 4 on an H100 and an H200, session 44). A call
 that waits for its reply first queues its GPU wait only after the executor queued its result, so
-no such cycle forms.
+no such cycle forms. A tenant that joins one already calling first waits, on the host, until the
+GPU waits the other queued while alone have passed (its calls from then on wait for their replies);
+a call the other sent between its look at `_early` and the join is the one case not covered.
 """
 from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 import weakref
 
@@ -40,15 +43,18 @@ from symbiont.client.transport import Transport
 from symbiont.client.transports.control import ControlChannel
 from symbiont.client.transports.ids import IdsChecks
 from symbiont.client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
-from symbiont.client.transports.unanswered import Sent, Unanswered, reply_error
+from symbiont.client.transports.unanswered import RELEASE_POLL_US, Sent, Unanswered, reply_error
 from symbiont.client.transports.words import StreamOrder, start_watchdog
 from symbiont.proto import codec, mailbox, urls
+from symbiont.proto.cuda_ipc import reached
 from symbiont.proto.procs import alive
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto._doorbell import Doorbell
 
-_WAITERS: "weakref.WeakSet[LocalTransport]" = weakref.WeakSet()  # this process's transports whose GPU waits on an output word
+# this process's transports whose GPU waits on an output word: id -> weak reference (under the lock)
+_WAITERS: "dict[int, weakref.ref[LocalTransport]]" = {}
 _WAITERS_LOCK = threading.Lock()
+SETTLE_S = 30.0  # how long a new tenant waits for its siblings' GPU waits queued while they were alone
 SPIN_US = 20  # a CPU tenant: its executor shares the cores, spinning would slow the GEMMs
 GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms (S6), sleeping costs more
 # A call that needs a bigger mailbox than this is made in chunks of rows that fit, not by growing
@@ -106,7 +112,7 @@ class LocalTransport(LocalCalls, Transport):
 
     def _map(self, reply: pb.AttachReply | pb.GrowReply) -> None:
         """Maps the mailbox (and device region) an attach or grow reply names, dropping the old."""
-        self._unmap()
+        self._unmap(grow=True)
         on_gpu = reply.HasField("cuda")
         region = reply.mailbox
         box = mailbox.Mailbox(mailbox.open_region(region.owner_pid, region.fd, region.size), 0 if on_gpu else reply.data_bytes)
@@ -132,17 +138,21 @@ class LocalTransport(LocalCalls, Transport):
         self._plans, self._failures = {}, 0
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
-        if order is not None and order.out_word:
+        if not (order is not None and order.out_word):  # (a grow whose words could not be mapped)
             with _WAITERS_LOCK:
-                _WAITERS.add(self)
+                _WAITERS.pop(id(self), None)
+        else:
+            self._join_waiters()
             if self._watchdog is None or not self._watchdog.is_alive():
                 self._watchdog = start_watchdog(self)
 
-    def _unmap(self) -> None:
-        """Drops the device region (after our GPU is done with it), the words mapping, the mailbox."""
+    def _unmap(self, grow: bool = False) -> None:
+        """Drops the device region (after our GPU is done with it), the words mapping, the mailbox;
+        stays among the process's waiters when a grow maps the next (_map)."""
         box, order = self._box, self._order
-        with _WAITERS_LOCK:
-            _WAITERS.discard(self)
+        if not grow:
+            with _WAITERS_LOCK:
+                _WAITERS.pop(id(self), None)
         if order is not None and order.out_word and box is not None:
             if self._unanswered.busy or box.detached or not self._executor_alive():
                 order.release_all(self._unanswered)  # no result may come for the calls our GPU waits for
@@ -162,10 +172,36 @@ class LocalTransport(LocalCalls, Transport):
             return self.return_early
         if len(_WAITERS) < 2:
             return True
+        return not self._siblings()
+
+    def _siblings(self) -> list:
+        """The process's other transports whose GPU waits on an output word, attached to our executor."""
         with _WAITERS_LOCK:
-            others = list(_WAITERS)
+            for key in [k for k, r in _WAITERS.items() if r() is None]:  # (collected without closing)
+                del _WAITERS[key]
+            others = [r() for r in _WAITERS.values()]
         pid = self._executor_pid
-        return not any(t is not self and t._box is not None and t._executor_pid == pid for t in others)
+        return [t for t in others if t is not None and t is not self and t._executor_pid == pid
+                and ((box := t._box) is None or not box.detached)]  # (None: between a grow's two mailboxes)
+
+    def _join_waiters(self) -> None:
+        """Counts this transport among the process's waiters (a grow's remap: still counted). A
+        first join beside siblings waits until the GPU waits they queued while alone have passed:
+        their calls wait for their replies from now on (_early), ours too."""
+        with _WAITERS_LOCK:
+            ref = _WAITERS.get(id(self))
+            known = ref is not None and ref() is self
+            _WAITERS[id(self)] = weakref.ref(self)
+        if known:
+            return
+        deadline = time.monotonic() + SETTLE_S
+        for t in self._siblings():
+            box, order = t._box, t._order
+            if box is None or order is None:
+                continue
+            seq = order.seq
+            while not reached(box.output_word(), seq) and not box.detached and time.monotonic() < deadline:
+                time.sleep(RELEASE_POLL_US * 1e-6)
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
