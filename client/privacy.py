@@ -156,20 +156,26 @@ class NoiseMask:
         # (a float32 reduction over a big bf16 tensor took 16 ms at 4096 x 2048; in its dtype, 1 ms)
         norm = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
-        c *= norm * (self.scale / (rows.numel() * self.rank) ** 0.5)  # (noise RMS = scale x the input's; one tensor op)
-        # the reply is (x + c basis) W^T (+ b): take() takes away c (basis W^T), the noise's effect,
-        # reading the reply where the transport has it and writing the result once
+        factor = self.scale / (rows.numel() * self.rank) ** 0.5  # (noise RMS = scale x the input's)
+        # the reply is (x + s c basis) W^T (+ b): take() takes away s c (basis W^T), the noise's
+        # effect, reading the reply where the transport has it and writing the result once
         if not low:
+            if x.device.type == "cpu":  # s as the GEMMs' alpha: two tensor ops fewer (reading a CPU norm waits for nothing)
+                s = float(norm) * factor
+            else:  # (on a GPU the norm stays there: reading it would wait for the GPU)
+                c *= norm * factor
+                s = 1.0
             if x.dtype == torch.float32:
-                v = torch.addmm(rows, c, basis, out=self._scratch(rows))  # (out=None: a new tensor)
+                v = torch.addmm(rows, c, basis, alpha=s, out=self._scratch(rows))  # (out=None: a new tensor)
             else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
-                v = torch.addmm(rows.float(), c, basis).to(x.dtype)
+                v = torch.addmm(rows.float(), c, basis, alpha=s).to(x.dtype)
 
             def take(y):
                 flat = y.reshape(-1, y.shape[-1]).float()
-                return torch.addmm(flat, c, effect, alpha=-1).to(y.dtype).view(y.shape)
+                return torch.addmm(flat, c, effect, alpha=-s).to(y.dtype).view(y.shape)
 
             return send(v.view(x.shape), take)
+        c *= norm * factor
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
         # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
         c = c.to(x.dtype)

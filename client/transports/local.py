@@ -200,7 +200,8 @@ class LocalTransport(LocalCalls, Transport):
             if box is None or order is None:
                 continue
             seq = order.seq
-            while not reached(box.output_word(), seq) and not box.detached and time.monotonic() < deadline:
+            while (not reached(box.output_word(), seq) and t._box is box and not box.detached
+                   and time.monotonic() < deadline):  # (a grow's new mailbox: its words start over)
                 time.sleep(RELEASE_POLL_US * 1e-6)
 
     def _grow(self, need: int) -> None:
