@@ -181,3 +181,49 @@ def test_a_call_never_sent_is_forgotten(box):
     assert box.replies.push(_ok(3).SerializeToString())  # a stray reply is not kept for anyone
     u.take()
     assert u.awaited_reply is None and len(u) == 1
+
+
+def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
+    """Which same-GPU transports of one process return early (client/transports/local.py, _early):
+    one alone does; two attached to one executor wait for their replies unless told otherwise; one
+    of another executor, a detached one, or one collected without closing does not count; a joining
+    tenant first waits until its sibling's output word has reached the sibling's last call."""
+    import gc
+    import threading
+    import time
+    import types
+
+    from symbiont.client.transports import local
+
+    def transport(pid, mailbox_=None, seq=0):
+        t = local.LocalTransport("local://test-early", "test-early")
+        t._executor_pid, t._box = pid, mailbox_
+        t._order = types.SimpleNamespace(seq=seq) if mailbox_ is not None else None  # (what the join reads of it)
+        return t
+
+    a = transport(101, box, seq=5)
+    box.set_output_word(3)  # its calls 4 and 5 not answered yet
+    a._join_waiters()
+    assert a._early()
+    threading.Timer(0.3, box.set_output_word, args=(5,)).start()
+    t0 = time.monotonic()
+    b = transport(101)
+    b._join_waiters()
+    assert time.monotonic() - t0 >= 0.25, "the join did not wait for the sibling's output word"
+    assert not a._early() and not b._early()
+    b.return_early = True
+    assert b._early() and not a._early()
+    other = transport(202)
+    other._join_waiters()
+    assert other._early()  # (another executor's tenants do not count)
+    b._unmap()  # (as closing does)
+    assert a._early()
+    c = transport(101)
+    c._join_waiters()
+    assert not a._early()
+    del c
+    gc.collect()
+    assert a._early()
+    with local._WAITERS_LOCK:  # (the box is the fixture's: only the bookkeeping goes)
+        for t in (a, other):
+            local._WAITERS.pop(id(t), None)
