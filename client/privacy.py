@@ -159,12 +159,12 @@ class NoiseMask:
         factor = self.scale / (rows.numel() * self.rank) ** 0.5  # (noise RMS = scale x the input's)
         # the reply is (x + s c basis) W^T (+ b): take() takes away s c (basis W^T), the noise's
         # effect, reading the reply where the transport has it and writing the result once
+        if x.device.type == "cpu" and not low:  # s as the GEMMs' alpha: two tensor ops fewer (reading a CPU norm waits for nothing)
+            s = float(norm) * factor
+        else:  # (on a GPU the norm stays there, reading it would wait for the GPU; a big bf16 call's c goes to its dtype)
+            c *= norm * factor
+            s = 1.0
         if not low:
-            if x.device.type == "cpu":  # s as the GEMMs' alpha: two tensor ops fewer (reading a CPU norm waits for nothing)
-                s = float(norm) * factor
-            else:  # (on a GPU the norm stays there: reading it would wait for the GPU)
-                c *= norm * factor
-                s = 1.0
             if x.dtype == torch.float32:
                 v = torch.addmm(rows, c, basis, alpha=s, out=self._scratch(rows))  # (out=None: a new tensor)
             else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
@@ -175,7 +175,6 @@ class NoiseMask:
                 return torch.addmm(flat, c, effect, alpha=-s).to(y.dtype).view(y.shape)
 
             return send(v.view(x.shape), take)
-        c *= norm * factor
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
         # epilogue (one rounding, as the float32 path's), no float32 copy of x or y
         c = c.to(x.dtype)

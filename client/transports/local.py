@@ -253,7 +253,8 @@ class LocalTransport(LocalCalls, Transport):
             with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
                 return self._call(unit, op, x, out_shape, out_dtype, latency, take)
         unanswered = self._unanswered
-        native = self._lane is not None and self.native_calls and self._early() and x.device == self._order.device
+        may_return = self._order is not None and self._early()  # (looked at once a call: it walks the siblings)
+        native = self._lane is not None and self.native_calls and may_return and x.device == self._order.device
         if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
             failures = self._box.failures()
             if failures != self._failures or unanswered.failure is not None or unanswered.failed:
@@ -278,12 +279,13 @@ class LocalTransport(LocalCalls, Transport):
             else:
                 self._id_checks.check_now(self.embedding_rows, unit, x)
         try:
-            return self._send_call(unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id, native)
+            return self._send_call(unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id, native, may_return)
         except BaseException:  # (its failure, or another's: the forward ends with it)
             self._id_checks.forget(call_id)
             raise
 
-    def _send_call(self, unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id: int, native: bool):
+    def _send_call(self, unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id: int, native: bool,
+                   may_return: bool):
         if native and self._lane is not None:
             return self._send(x, plan, key, take, call_id)
         x = x.detach().contiguous()
@@ -303,7 +305,7 @@ class LocalTransport(LocalCalls, Transport):
         early = False  # whether the call returns before its reply
         if order is not None:
             request.input_seq = order.input_in(stream, word=direct)  # (a peer GPU's streams cannot write our words)
-            early = bool(request.input_seq and order.out_word) and self._early()
+            early = bool(request.input_seq and order.out_word) and may_return
         seq = request.input_seq if order is not None and order.out_word else 0  # the output word tells when its result is in
         sent = False
         try:
