@@ -71,7 +71,7 @@ def build(a):
             return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype)), None
     from symbiont import connect
 
-    conn = connect(a.url, name=f"{a.role}-{a.index}")  # (calls under no_grad go in the inference class)
+    conn = connect(a.url, name=f"{a.role}-{a.index}", spin_us=a.spin_us)  # (calls under no_grad go in the inference class)
     if a.wait_replies:  # (same GPU: the host waits for each reply; nothing of ours waits on the GPU)
         conn.transport.return_early = False
     return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss), conn
@@ -325,6 +325,8 @@ def main() -> int:
                    "the GPU's SMs its kernels may use)")
     p.add_argument("--wait-replies", action="store_true", help="symbiont on the executor's GPU: each call waits for its reply "
                    "on the host (by default it returns at once and our GPU waits for the result)")
+    p.add_argument("--spin-us", type=int, default=None, help="symbiont: how long a call spins on its reply before "
+                   "sleeping (connect(spin_us=); default: by placement)")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
     p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "
