@@ -72,8 +72,10 @@ class IdsChecks:
         with torch.cuda.device(ids.device):
             if free:
                 bounds, event = free.pop()
-            else:
-                bounds, event = torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+            else:  # (made under inference_mode it could not be written outside it, when reused)
+                with torch.inference_mode(False):
+                    bounds = torch.empty(2, dtype=torch.int64, pin_memory=True)
+                event = torch.cuda.Event()
             bounds.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
             event.record(torch.cuda.current_stream(ids.device))
         self._pending.append(_Check(call_id, unit, n, ids.device, bounds, event))
