@@ -133,6 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
         catch_up_us=(args.catch_up_us if args.catch_up_us is not None
                      else 1000 if args.gpu_batches and device.type == "cuda" and not args.no_gpu_waits else 0),
     )
+    if args.max_tenants < 1:
+        raise SystemExit(f"--max-tenants {args.max_tenants}: at least 1")
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (GPU_SPIN_US if device.type == "cuda" else 20)
     tensor = shard is not None and shard.placement == "tensor"  # (every call runs over every rank, from rank 0's loop)
@@ -140,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
-        ids_on_host=args.ids_on_host,
+        ids_on_host=args.ids_on_host, max_tenants=args.max_tenants,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -474,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sharded under layer placement: on each host's first rank, the totals of that host's ranks")
     s.add_argument("--mailbox-mb", type=int, default=None, help="initial data area per tenant (default 16, at most --max-mailbox-mb)")
     s.add_argument("--max-mailbox-mb", type=int, default=1024, help="most a tenant's data area may grow to")
+    s.add_argument("--max-tenants", type=int, default=256, help="tenants attached at once, over every --listen; "
+                   "an attach beyond gets RESOURCE_EXHAUSTED (ResourceExhaustedError)")
     s.add_argument("--spin-us", type=int, default=None, help="how long the data loop spins on the wake word before "
                    "sleeping in the kernel (longer: lower latency, one busier core; default 5000 on a GPU, 20 on the CPU, "
                    "where the spinning core is one the GEMMs need)")

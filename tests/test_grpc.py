@@ -23,6 +23,7 @@ from symbiont.errors import (
     ExecutorUnavailableError,
     InvalidCallError,
     NotAttachedError,
+    ResourceExhaustedError,
     ShapeMismatchError,
 )
 from symbiont.proto import executor_pb2 as pb
@@ -371,3 +372,30 @@ def test_an_oversized_message_ends_only_its_own_stream(insecure):
         y = other.transport.call("model.layers.0.self_attn.o_proj", pb.FORWARD, x, (3, d), torch.float32, pb.TRAINING)
         with torch.no_grad():
             torch.testing.assert_close(y, build_builtin("tiny-llama").model.layers[0].self_attn.o_proj(x))
+
+
+def test_max_tenants_counts_the_tenants_of_every_transport():
+    """`serve --max-tenants 2`: a local and a remote tenant fill it; a third is refused over either
+    transport with ResourceExhaustedError, the two attached carry on, and a place freed is taken."""
+    port = free_port()
+    grpc_url = f"grpc://127.0.0.1:{port}"
+    with running_executor("tiny-llama", "--listen", grpc_url, "--insecure", "--max-tenants", "2") as ex:
+        ref = build_builtin("tiny-llama")
+        x = ids(1, 7)
+        local = connect(ex.url)
+        remote = connect(grpc_url)
+        local_model = virtualize(build_builtin("tiny-llama"), local)
+        remote_model = virtualize(build_builtin("tiny-llama"), remote)
+        with torch.no_grad():
+            want = ref(x).logits
+            assert torch.equal(local_model(x).logits, want) and torch.equal(remote_model(x).logits, want)
+            for url in (ex.url, grpc_url):
+                with pytest.raises(ResourceExhaustedError, match=r"executor full: 2 tenants.*max 2, --max-tenants"):
+                    connect(url).ensure_attached()
+            assert torch.equal(local_model(x).logits, want) and torch.equal(remote_model(x).logits, want)
+            remote.close()
+            with connect(grpc_url) as again:  # (the remote tenant's place)
+                assert torch.equal(virtualize(build_builtin("tiny-llama"), again)(x).logits, want)
+            local.close()
+            with connect(ex.url) as again:
+                assert torch.equal(virtualize(build_builtin("tiny-llama"), again)(x).logits, want)

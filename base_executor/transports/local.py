@@ -62,7 +62,8 @@ class LocalServerConfig:
     max_mailbox_bytes: int = 1 << 30
     """The most a tenant's data area may grow to; a call needing more is refused."""
     max_tenants: int = 256
-    """Attach requests beyond this many tenants are refused."""
+    """Attach requests beyond this many tenants (of every transport, attaches in flight counted) are
+    refused with RESOURCE_EXHAUSTED."""
     spin_us: int = 20
     """How long the data loop spins on the wake word before sleeping."""
     liveness_interval_s: float = 0.5
@@ -135,6 +136,7 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         if config.gpu_batches:
             core.before_batch = self._pick_stream
         self._next_id = 1
+        self._attaching = 0  # local attaches between their two turns of the lock (counted against max_tenants)
         self.wake_fd, self._wake_mem = mailbox.create_region(f"symbiont-{config.name}-wake", mailbox.WAKE_BYTES)
         self.wake = Doorbell(self._wake_mem, 0)
         self.started = time.monotonic()

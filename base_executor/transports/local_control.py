@@ -182,16 +182,23 @@ class LocalControl:
         if size > self.config.max_mailbox_bytes:
             return control_error(pb.RESOURCE_EXHAUSTED, f"mailbox of {size} bytes asked, at most {self.config.max_mailbox_bytes}")
         with self.lock:
-            if len(self.tenants) >= self.config.max_tenants:
-                return control_error(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants)} tenants attached (max {self.config.max_tenants})")
+            if (full := self._full()) is not None:
+                return control_error(pb.RESOURCE_EXHAUSTED, full)
             tid = self._next_id
             self._next_id += 1
+            self._attaching += 1  # (a place kept while its mailbox is made)
         # (not under the lock, which the data loop takes every round: making a device mailbox
         # queues GPU work, which may wait behind a stream that waits for a tenant's input, and
         # that input may need the data loop to go on)
-        areas = self.areas.new(tid, owner, size, on_gpu)
+        try:
+            areas = self.areas.new(tid, owner, size, on_gpu)
+        except BaseException:
+            with self.lock:
+                self._attaching -= 1
+            raise
         t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
         with self.lock:
+            self._attaching -= 1
             if self.stopping.is_set():  # (shut down meanwhile: its tenants are reclaimed already)
                 self.areas.retire(areas, owner)
                 return control_error(pb.UNAVAILABLE, "executor is shutting down")

@@ -57,15 +57,22 @@ class RemoteTenants:
     def attach_remote(self, name: str, peer: str, credential_name: str, latency: int) -> RemoteTenant:
         """A new remote tenant; CallError(RESOURCE_EXHAUSTED) when the executor is full."""
         with self.lock:
-            if len(self.tenants) + len(self.remote) >= self.config.max_tenants:
-                raise CallError(pb.RESOURCE_EXHAUSTED, f"executor full: {len(self.tenants) + len(self.remote)} tenants "
-                                f"attached (max {self.config.max_tenants})")
+            if (full := self._full()) is not None:
+                raise CallError(pb.RESOURCE_EXHAUSTED, full)
             tid = self._next_id
             self._next_id += 1
             t = self.remote[tid] = RemoteTenant(tid, name or f"tenant-{tid}", secrets.token_hex(16), peer, credential_name, latency)
         log.info("tenant %d (%s, %s) attached over gRPC%s", tid, t.name, peer,
                  f" with the credential of {credential_name!r}" if credential_name else "")
         return t
+
+    def _full(self) -> str | None:
+        """Why one more tenant may not attach, or None (caller holds the lock): every transport's
+        tenants count, and the local attaches making their mailboxes."""
+        n = len(self.tenants) + len(self.remote) + self._attaching
+        if n < self.config.max_tenants:
+            return None
+        return f"executor full: {n} tenants attached or attaching (max {self.config.max_tenants}, --max-tenants)"
 
     def remote_tenant(self, tenant_id: int, token: str) -> RemoteTenant | None:
         t = self.remote.get(tenant_id)
