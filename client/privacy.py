@@ -153,8 +153,11 @@ class NoiseMask:
         basis, effect = (u.n, u.e) if op == pb.FORWARD else (u.m, u.f)
         rows = x.reshape(-1, x.shape[-1])
         low = x.dtype != torch.float32 and rows.numel() >= LOW_NOISE_MIN
+        # a small bf16 (float16) call: its float32 copy, whose norm is taken and to which the noise is
+        # added in place (0.87x the ops of a norm over x and a fresh sum, 16 tokens, 2-core VM)
+        wide = rows.float() if x.dtype != torch.float32 and not low else None
         # (a float32 reduction over a big bf16 tensor took 16 ms at 4096 x 2048; in its dtype, 1 ms)
-        norm = (torch.linalg.vector_norm(rows) if low else torch.linalg.vector_norm(rows, dtype=torch.float32)).float()
+        norm = torch.linalg.vector_norm(rows if wide is None else wide).float()
         c = torch.randn(rows.shape[0], self.rank, generator=self._generator(x.device), device=x.device)
         factor = self.scale / (rows.numel() * self.rank) ** 0.5  # (noise RMS = scale x the input's)
         # the reply is (x + s c basis) W^T (+ b): take() takes away s c (basis W^T), the noise's
@@ -165,14 +168,16 @@ class NoiseMask:
             c *= norm * factor
             s = 1.0
         if not low:
-            if x.dtype == torch.float32:
+            if wide is None:
                 v = torch.addmm(rows, c, basis, alpha=s, out=self._scratch(rows))  # (out=None: a new tensor)
             else:  # (a small bf16 call: its float32 copies cost less than GEMMs in bf16)
-                v = torch.addmm(rows.float(), c, basis, alpha=s).to(x.dtype)
+                v = wide.addmm_(c, basis, alpha=s).to(x.dtype)
 
             def take(y):
-                flat = y.reshape(-1, y.shape[-1]).float()
-                return torch.addmm(flat, c, effect, alpha=-s).to(y.dtype).view(y.shape)
+                flat = y.reshape(-1, y.shape[-1])
+                if flat.dtype == torch.float32:  # (the reply where the transport has it: read, not written)
+                    return torch.addmm(flat, c, effect, alpha=-s).view(y.shape)
+                return flat.float().addmm_(c, effect, alpha=-s).to(y.dtype).view(y.shape)
 
             return send(v.view(x.shape), take)
         # a big bf16 (float16) call: both GEMMs in its dtype, the addition in their float32
