@@ -190,19 +190,21 @@ class LocalControl:
         # (not under the lock, which the data loop takes every round: making a device mailbox
         # queues GPU work, which may wait behind a stream that waits for a tenant's input, and
         # that input may need the data loop to go on)
+        counted = True
         try:
             areas = self.areas.new(tid, owner, size, on_gpu)
-        except BaseException:
+            t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
             with self.lock:
                 self._attaching -= 1
-            raise
-        t = Tenant(id=tid, name=a.tenant_name or f"tenant-{tid}", pid=a.pid, owner=owner, token=secrets.token_hex(16), areas=areas)
-        with self.lock:
-            self._attaching -= 1
-            if self.stopping.is_set():  # (shut down meanwhile: its tenants are reclaimed already)
-                self.areas.retire(areas, owner)
-                return control_error(pb.UNAVAILABLE, "executor is shutting down")
-            self.tenants[tid] = t
+                counted = False
+                if self.stopping.is_set():  # (shut down meanwhile: its tenants are reclaimed already)
+                    self.areas.retire(areas, owner)
+                    return control_error(pb.UNAVAILABLE, "executor is shutting down")
+                self.tenants[tid] = t
+        finally:
+            if counted:  # (making its mailbox failed)
+                with self.lock:
+                    self._attaching -= 1
         log.info("tenant %d (%s, pid %d) attached; mailbox %d MiB on %s", tid, t.name, t.pid, size >> 20,
                  f"{self.core.device} (CUDA IPC)" if on_gpu else "the host (shared memory" + (", page-locked)" if areas.pinned else ")"))
         self.wake.ring()

@@ -57,6 +57,8 @@ class RemoteTenants:
     def attach_remote(self, name: str, peer: str, credential_name: str, latency: int) -> RemoteTenant:
         """A new remote tenant; CallError(RESOURCE_EXHAUSTED) when the executor is full."""
         with self.lock:
+            if self.stopping.is_set():  # (after the server's look: a tenant added now would never be detached)
+                raise CallError(pb.UNAVAILABLE, "executor is shutting down")
             if (full := self._full()) is not None:
                 raise CallError(pb.RESOURCE_EXHAUSTED, full)
             tid = self._next_id
