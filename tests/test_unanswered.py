@@ -187,7 +187,8 @@ def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
     """Which same-GPU transports of one process return early (client/transports/local.py, _early):
     one alone does; two attached to one executor wait for their replies unless told otherwise; one
     of another executor, a detached one, or one collected without closing does not count; a joining
-    tenant first waits until its sibling's output word has reached the sibling's last call."""
+    tenant first waits until its sibling's output word has reached the sibling's last call, one
+    deciding as it joins included."""
     import gc
     import threading
     import time
@@ -224,6 +225,23 @@ def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
     del c
     gc.collect()
     assert a._early()
+    # a call of a's that looked at _early() (alone) and has not queued its GPU wait yet: a joining
+    # tenant waits until it has (and then for its output word), not only for the words a had
+    box.set_output_word(a._order.seq)
+    a._deciding = True
+
+    def queued():  # (as the call does: its sequence counted, then no longer deciding)
+        a._order.seq += 1
+        a._deciding = False
+
+    threading.Timer(0.3, queued).start()
+    threading.Timer(0.6, box.set_output_word, args=(a._order.seq + 1,)).start()
+    t0 = time.monotonic()
+    d = transport(101)
+    d._join_waiters()
+    assert time.monotonic() - t0 >= 0.55, "the join did not wait for a sibling's call deciding as it joined"
+    assert not a._early() and not d._early()
+    d._unmap()
     with local._WAITERS_LOCK:  # (the box is the fixture's: only the bookkeeping goes)
         for t in (a, other):
             local._WAITERS.pop(id(t), None)

@@ -20,8 +20,8 @@ result queued behind the executor's wait for that input on a queue its streams s
 each other for ever (64 tenants as 16 processes of 4 on an H100 and an H200, session 44). A call
 that waits for its reply first queues its GPU wait only after the executor queued its result, so
 no such cycle forms. A tenant that joins one already calling first waits, on the host, until the
-GPU waits the other queued while alone have passed (its calls from then on wait for their replies);
-a call the other sent between its look at `_early` and the join is the one case not covered.
+GPU waits the other queued while alone have passed (its calls from then on wait for their replies),
+a call of the other's between its look at `_early` and its GPU wait included (`_deciding`).
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ class LocalTransport(LocalCalls, Transport):
         self.spin_us: int | None = None  # how long a call spins on its reply before sleeping (None: by placement)
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
+        self._deciding = False  # a call is between its look at _early() and its GPU wait (_call)
         self.native_calls = True  # same GPU: a call's steps in one native call where it can (False: each from Python)
         # a peer GPU of the executor's: calls ordered on our streams by the mailbox's words, as on its GPU
         # (False, set before attaching: on its GPU by the mailbox's events, each call waiting for its reply)
@@ -199,9 +200,11 @@ class LocalTransport(LocalCalls, Transport):
             box, order = t._box, t._order
             if box is None or order is None:
                 continue
-            seq = order.seq
-            while (not reached(box.output_word(), seq) and t._box is box and not box.detached
-                   and time.monotonic() < deadline):  # (a grow's new mailbox: its words start over)
+            # (the flag before the sequence: a call that looked at _early() before we joined has
+            # counted its call in order.seq once it no longer decides)
+            while t._box is box and not box.detached and time.monotonic() < deadline:  # (a grow's new mailbox: its words start over)
+                if not t._deciding and reached(box.output_word(), order.seq):
+                    break
                 time.sleep(RELEASE_POLL_US * 1e-6)
 
     def _grow(self, need: int) -> None:
@@ -252,6 +255,15 @@ class LocalTransport(LocalCalls, Transport):
         if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
             with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
                 return self._call(unit, op, x, out_shape, out_dtype, latency, take)
+        # from the look at _early() until the call's GPU wait is queued (or its reply taken): a sibling
+        # joining meanwhile either is seen by the look or waits for this call's output word (_join_waiters)
+        self._deciding = True
+        try:
+            return self._call_decided(unit, op, x, out_shape, out_dtype, latency, take)
+        finally:
+            self._deciding = False
+
+    def _call_decided(self, unit, op, x, out_shape, out_dtype, latency, take):
         unanswered = self._unanswered
         may_return = self._order is not None and self._early()  # (looked at once a call: it walks the siblings)
         native = self._lane is not None and self.native_calls and may_return and x.device == self._order.device
