@@ -235,6 +235,14 @@ def wait_for_go(a) -> tuple[float, float, float]:
     return start_local, start_local + a.seconds, start
 
 
+def settle(*_) -> None:
+    """--settle-forward: after a forward, this thread waits for its stream's work with the
+    interpreter's lock released (Stream.synchronize), so generate's read of the next token (a
+    pageable copy, which holds up the launches of the process's other threads while it waits: a
+    CUDA driver lock) finds the GPU's work done."""
+    torch.cuda.current_stream().synchronize()
+
+
 def several(a) -> int:
     """--tenants N: N decoding tenants in this process, each its own connection, adapter (ranks by
     index, from --index on) and thread, with one ready/go for all; one result line each. More
@@ -247,6 +255,8 @@ def several(a) -> int:
         mine = copy.copy(a)
         mine.index, mine.tenants = a.index + j, 1
         model, conn, _ = prepare(mine)
+        if a.settle_forward and "cuda" in a.device:
+            model.register_forward_hook(settle)
         tenants.append((mine, model, conn))
     if "cuda" in a.device:  # (the adapters were made on the default stream; each tenant runs on a stream of its own)
         torch.cuda.synchronize(a.device)
@@ -325,6 +335,8 @@ def main() -> int:
                    "the GPU's SMs its kernels may use)")
     p.add_argument("--wait-replies", action="store_true", help="symbiont on the executor's GPU: each call waits for its reply "
                    "on the host (by default it returns at once and our GPU waits for the result)")
+    p.add_argument("--settle-forward", action="store_true", help="symbiont --tenants N on a GPU: each tenant's "
+                   "thread waits for its stream after every forward, the interpreter's lock released (settle())")
     p.add_argument("--spin-us", type=int, default=None, help="symbiont: how long a call spins on its reply before "
                    "sleeping (connect(spin_us=); default: by placement)")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
