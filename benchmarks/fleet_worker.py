@@ -250,10 +250,15 @@ def several(a) -> int:
     import copy
     import threading
 
+    adapters = [int(k) for k in a.s9_adapters.split(",")] if a.s9_adapters else None
+    if adapters is not None and len(adapters) != a.tenants:
+        raise SystemExit(f"--s9-adapters names {len(adapters)} adapters for --tenants {a.tenants}")
     tenants = []
     for j in range(a.tenants):
         mine = copy.copy(a)
         mine.index, mine.tenants = a.index + j, 1
+        if adapters is not None:
+            mine.s9_adapter = adapters[j]
         model, conn, _ = prepare(mine)
         if a.settle_forward and "cuda" in a.device:
             model.register_forward_hook(settle)
@@ -323,6 +328,8 @@ def main() -> int:
     p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
     p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
                    "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
+    p.add_argument("--s9-adapters", default="", help="S9 with --tenants N: each tenant's registered adapter, "
+                   "comma-separated (as --s9-adapter, one per tenant)")
     p.add_argument("--shared", action="store_true", help="S9, symbiont: name the provider's registered adapter s9-K "
                    "(the executor computes it; the tenant holds none)")
     p.add_argument("--profile", default="", help="record this process's GPU work over --profile-window into this file")

@@ -48,6 +48,8 @@ def main() -> int:
     p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent of the tenants' draws")
     p.add_argument("--skews", default="", help="instead of Zipf draws: shares of the tenants naming the top adapter")
     p.add_argument("--max-processes", type=int, default=16)
+    p.add_argument("--tenants-per-process", type=int, default=1, help="symbiont tenants in one process each this many "
+                   "(fleet_worker --tenants: MPS takes 48 processes a GPU, so N = 64 runs as 16 processes of 4)")
     p.add_argument("--no-private", action="store_true", help="skip the tenants holding their adapters privately")
     p.add_argument("--executors", default="pool=--adapter-pool-mb 1024", help='"NAME=FLAGS;..." serve flags per executor')
     p.add_argument("--seconds", type=float, default=15.0)
@@ -97,15 +99,18 @@ def main() -> int:
                                                              else [("private", [])])
                         for kind, extra in kinds:
                             before = fleet.executor_stats(url)
+                            per = a.tenants_per_process
                             res, base, peak = fleet.run_fleet(
-                                [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), "--s9-adapter", str(k),
-                                  *extra, *common] for i, k in enumerate(picks)], a.seconds)
+                                [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *extra, *common]
+                                 + (["--s9-adapter", str(picks[i])] if per == 1 else
+                                    ["--tenants", str(len(picks[i:i + per])), "--s9-adapters", ",".join(map(str, picks[i:i + per]))])
+                                 for i in range(0, n, per)], a.seconds)
                             after = fleet.executor_stats(url)
                             d = {key: int(after.get(key, 0)) - int(before.get(key, 0))
                                  for key in ("adapter_hits", "adapter_misses", "adapter_evictions", "merge_switches", "merged_tokens",
                                              "adapter_calls")}
                             looked = d["adapter_hits"] + d["adapter_misses"]
-                            add({"registered": m, "k": n, "load": load, "who": f"symbiont {name}, {kind} ({load})",
+                            add({"registered": m, "k": n, "load": load, "who": f"symbiont {name}, {kind} ({load})" + (f", {per} a process" if per > 1 else ""),
                                  **fleet.infer_figures(res), "gpu_used": peak - base, "adapters_used": len(set(picks)),
                                  "hit_rate": d["adapter_hits"] / looked if looked else None, **d,
                                  "merged_adapter": after.get("merged_adapter", ""),

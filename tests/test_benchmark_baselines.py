@@ -65,6 +65,27 @@ def test_several_decoding_tenants_in_one_worker_process(executor):
     assert fleet.infer_figures(results)["tokens_per_s"] > 0
 
 
+def test_several_tenants_of_one_worker_process_name_hosted_adapters():
+    """S9 at N beyond MPS's processes: fleet_worker --tenants 2 --s9-adapters 0,1 --shared, two tenants
+    of one process each naming its own of the provider's registered adapters, which the executor
+    computes (its adapter calls count them)."""
+    import fleet
+    import s9_hosted
+    from tests.conftest import running_executor
+
+    with running_executor("tiny-llama", "--dtype", "bfloat16") as ex:
+        s9_hosted.register(ex.url, "tiny-llama", 2)
+        before = fleet.executor_stats(ex.url)
+        worker = ["--mode", "symbiont", "--role", "infer", "--url", ex.url, "--model", "tiny-llama", "--device", "cpu",
+                  "--prompt", "8", "--new-tokens", "4", "--warmup", "1", "--index", "0", "--tenants", "2",
+                  "--s9-adapters", "0,1", "--shared"]
+        results, *_ = fleet.run_fleet([worker], 2.0, timeout_s=300)
+        after = fleet.executor_stats(ex.url)
+    assert sorted(r["index"] for r in results) == [0, 1]
+    assert all(r["runs"] and len(r["runs"][0]) == 1 + 4 for r in results), results
+    assert int(after.get("adapter_calls", 0)) > int(before.get("adapter_calls", 0)), (before, after)
+
+
 def test_a_worker_that_dies_before_ready_is_reported_at_once():
     """run_fleet reads every worker's lines as they come: one that ends before `ready` (here argparse
     refusing its mode) fails the fleet at once, not after the others' warm-ups or the timeout."""
