@@ -200,10 +200,11 @@ class LocalTransport(LocalCalls, Transport):
             box, order = t._box, t._order
             if box is None or order is None:
                 continue
-            # (the flag before the sequence: a call that looked at _early() before we joined has
-            # counted its call in order.seq once it no longer decides)
+            seq = None  # the sibling's last call that may have looked at _early() before we joined
             while t._box is box and not box.detached and time.monotonic() < deadline:  # (a grow's new mailbox: its words start over)
-                if not t._deciding and reached(box.output_word(), order.seq):
+                if seq is None and not t._deciding:  # (read once: its later calls see us and wait for their replies)
+                    seq = order.seq
+                if seq is not None and reached(box.output_word(), seq):
                     break
                 time.sleep(RELEASE_POLL_US * 1e-6)
 
