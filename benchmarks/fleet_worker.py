@@ -250,9 +250,7 @@ def several(a) -> int:
     import copy
     import threading
 
-    adapters = [int(k) for k in a.s9_adapters.split(",")] if a.s9_adapters else None
-    if adapters is not None and len(adapters) != a.tenants:
-        raise SystemExit(f"--s9-adapters names {len(adapters)} adapters for --tenants {a.tenants}")
+    adapters = [int(k) for k in a.s9_adapters.split(",")] if a.s9_adapters else None  # (checked in main)
     tenants = []
     for j in range(a.tenants):
         mine = copy.copy(a)
@@ -367,6 +365,12 @@ def main() -> int:
         import symbiont.client.virtualize as virtualize_module
 
         virtualize_module.FULL_MASK_MODELS = ()
+    if a.s9_adapters:  # (one per tenant; a lone tenant's is its --s9-adapter)
+        adapters = a.s9_adapters.split(",")
+        if len(adapters) != a.tenants:
+            raise SystemExit(f"--s9-adapters names {len(adapters)} adapters for --tenants {a.tenants}")
+        if a.tenants == 1:
+            a.s9_adapter = int(adapters[0])
     if a.tenants > 1:
         if a.mode != "symbiont" or a.role != "infer" or a.profile:
             raise SystemExit("--tenants N: symbiont tenants that decode (--role infer), without --profile")

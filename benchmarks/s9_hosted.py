@@ -101,9 +101,8 @@ def main() -> int:
                             before = fleet.executor_stats(url)
                             per = a.tenants_per_process
                             res, base, peak = fleet.run_fleet(
-                                [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *extra, *common]
-                                 + (["--s9-adapter", str(picks[i])] if per == 1 else
-                                    ["--tenants", str(len(picks[i:i + per])), "--s9-adapters", ",".join(map(str, picks[i:i + per]))])
+                                [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *extra, *common,
+                                  "--tenants", str(len(picks[i:i + per])), "--s9-adapters", ",".join(map(str, picks[i:i + per]))]
                                  for i in range(0, n, per)], a.seconds)
                             after = fleet.executor_stats(url)
                             d = {key: int(after.get(key, 0)) - int(before.get(key, 0))

@@ -81,9 +81,13 @@ def test_several_tenants_of_one_worker_process_name_hosted_adapters():
                   "--s9-adapters", "0,1", "--shared"]
         results, *_ = fleet.run_fleet([worker], 2.0, timeout_s=300)
         after = fleet.executor_stats(ex.url)
+        lone = worker[: worker.index("--tenants")] + ["--tenants", "1", "--s9-adapters", "1", "--shared"]
+        alone, *_ = fleet.run_fleet([lone], 2.0, timeout_s=300)  # (a process's last chunk of one tenant: s9_hosted)
+        last = fleet.executor_stats(ex.url)
     assert sorted(r["index"] for r in results) == [0, 1]
     assert all(r["runs"] and len(r["runs"][0]) == 1 + 4 for r in results), results
     assert int(after.get("adapter_calls", 0)) > int(before.get("adapter_calls", 0)), (before, after)
+    assert len(alone) == 1 and int(last.get("adapter_calls", 0)) > int(after.get("adapter_calls", 0)), (after, last)
 
 
 def test_a_worker_that_dies_before_ready_is_reported_at_once():
