@@ -200,8 +200,8 @@ def prepare(a):
     elif a.s9_adapter >= 0:
         import s9_adapters
 
-        weights = s9_adapters.adapter_weights(model.config, a.s9_adapter)
-        model = lora(model, s9_adapters.rank_of(a.s9_adapter), list(s9_adapters.TARGETS))
+        weights = s9_adapters.adapter_weights(model.config, a.s9_adapter, targets=targets)
+        model = lora(model, s9_adapters.rank_of(a.s9_adapter), targets)
         s9_adapters.load_into(model, weights)
     else:
         model = lora(model, RANKS[a.index % len(RANKS)], targets)
@@ -325,7 +325,7 @@ def main() -> int:
     p.add_argument("--fsdp-port", type=int, default=29511)
     p.add_argument("--hosted", action="store_true", help="symbiont infer: host the adapter in the executor (issue 21)")
     p.add_argument("--s9-adapter", type=int, default=-1, help="S9: the tenant's LoRA is registered adapter K "
-                   "(benchmarks/s9_adapters.py: q,v, its rank and weights), held privately unless --shared")
+                   "(benchmarks/s9_adapters.py: on --targets, its rank and weights), held privately unless --shared")
     p.add_argument("--s9-adapters", default="", help="S9 with --tenants N: each tenant's registered adapter, "
                    "comma-separated (as --s9-adapter, one per tenant)")
     p.add_argument("--shared", action="store_true", help="S9, symbiont: name the provider's registered adapter s9-K "

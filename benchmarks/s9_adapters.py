@@ -1,31 +1,41 @@
 """S9's registered adapters: adapter k of a model, made the same wherever it is made (the runner
 registers it with the executor; a private tenant loads the same weights into its PEFT model).
 
-Adapter k is LoRA on q_proj and v_proj of every layer, rank RANKS[k % 5], scale 2 (lora_alpha =
-2 r), A and B seeded by k (both non-zero, so a merge changes the weights)."""
+Adapter k is LoRA on q_proj and v_proj of every layer (or on the attention projections named), rank
+RANKS[k % 5], scale 2 (lora_alpha = 2 r), A and B seeded by k (both non-zero, so a merge changes the
+weights; on q and v alone, the default, the weights every S9 run before 2026-11-28 had)."""
 from __future__ import annotations
 
 import torch
 
 RANKS = (8, 16, 32, 64, 128)
 TARGETS = ("q_proj", "v_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def rank_of(k: int) -> int:
     return RANKS[k % len(RANKS)]
 
 
-def adapter_weights(config, k: int, dtype=torch.bfloat16) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """{unit path: (A [r, in], B [out, r], scale)} of adapter k for a Llama-like config."""
+def adapter_weights(config, k: int, dtype=torch.bfloat16, targets=TARGETS) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """{unit path: (A [r, in], B [out, r], scale)} of adapter k for a Llama-like config, on `targets`
+    (of ATTENTION)."""
+    unknown = sorted(set(targets) - set(ATTENTION))
+    if unknown:
+        raise ValueError(f"S9 adapters go on {', '.join(ATTENTION)}; not on {', '.join(unknown)}")
     r = rank_of(k)
     g = torch.Generator().manual_seed(1_000_003 * (k + 1))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    outs = {"q_proj": config.num_attention_heads * head_dim, "v_proj": config.num_key_value_heads * head_dim}
+    heads, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (config.hidden_size, heads), "k_proj": (config.hidden_size, kv),  # (in, out)
+              "v_proj": (config.hidden_size, kv), "o_proj": (heads, config.hidden_size)}
+    order = [t for t in TARGETS if t in targets] + [t for t in ATTENTION if t in targets and t not in TARGETS]
     weights = {}
     for layer in range(config.num_hidden_layers):
-        for target in TARGETS:
-            a = torch.randn(r, config.hidden_size, generator=g) / config.hidden_size**0.5
-            b = torch.randn(outs[target], r, generator=g) * 0.01
+        for target in order:
+            n_in, n_out = shapes[target]
+            a = torch.randn(r, n_in, generator=g) / n_in**0.5
+            b = torch.randn(n_out, r, generator=g) * 0.01
             weights[f"model.layers.{layer}.self_attn.{target}"] = (a.to(dtype), b.to(dtype), 2.0)
     return weights
 

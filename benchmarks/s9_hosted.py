@@ -1,4 +1,4 @@
-"""S9: hosted adapters. N decoding tenants, each with one LoRA adapter (q,v, ranks 8-128) drawn from
+"""S9: hosted adapters. N decoding tenants, each with one LoRA adapter (q,v or `--targets`, ranks 8-128) drawn from
 M registered with the executor, against the same tenants holding the same adapters privately, and
 against N HF + PEFT processes (one GPU, MPS).
 
@@ -28,15 +28,15 @@ import s9_adapters
 from s2_finetune import plot
 
 
-def register(url: str, model: str, m: int) -> float:
-    """Registers adapters s9-0 .. s9-(m-1) as the provider's; seconds taken."""
+def register(url: str, model: str, m: int, targets=s9_adapters.TARGETS) -> float:
+    """Registers adapters s9-0 .. s9-(m-1) (LoRA on `targets`) as the provider's; seconds taken."""
     from symbiont.base_executor.models import BUILTINS
     from symbiont.base_executor.provider import host_weights
 
     config = BUILTINS[model].config()
     t0 = time.monotonic()
     for k in range(m):
-        host_weights(url, f"s9-{k}", s9_adapters.as_proto(s9_adapters.adapter_weights(config, k)))
+        host_weights(url, f"s9-{k}", s9_adapters.as_proto(s9_adapters.adapter_weights(config, k, targets=targets)))
     return time.monotonic() - t0
 
 
@@ -50,6 +50,8 @@ def main() -> int:
     p.add_argument("--max-processes", type=int, default=16)
     p.add_argument("--tenants-per-process", type=int, default=1, help="symbiont tenants in one process each this many "
                    "(fleet_worker --tenants: MPS takes 48 processes a GPU, so N = 64 runs as 16 processes of 4)")
+    p.add_argument("--targets", default=",".join(s9_adapters.TARGETS),
+                   help=f"the adapters' projections, of {','.join(s9_adapters.ATTENTION)} (S3's: all four)")
     p.add_argument("--no-private", action="store_true", help="skip the tenants holding their adapters privately")
     p.add_argument("--executors", default="pool=--adapter-pool-mb 1024", help='"NAME=FLAGS;..." serve flags per executor')
     p.add_argument("--seconds", type=float, default=15.0)
@@ -64,8 +66,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
     workloads = [(f"top {float(s):.0%}", float(s)) for s in a.skews.split(",") if s] or [(f"zipf {a.zipf}", None)]
+    from symbiont.base_executor.models import BUILTINS
+
+    targets = a.targets.split(",")
+    s9_adapters.adapter_weights(BUILTINS[a.model].config(), 0, targets=targets)  # (refuses an unknown target before anything starts)
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
-              "--warmup", str(a.warmup)]
+              "--warmup", str(a.warmup), "--targets", a.targets]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
 
@@ -90,7 +96,7 @@ def main() -> int:
         for name, flags in variants:
             proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out)
             try:
-                seconds = register(url, a.model, m)
+                seconds = register(url, a.model, m, targets)
                 print(f"registered {m} adapters in {seconds:.1f} s ({name})", flush=True)
                 for n in ns:
                     for load, skew in workloads:
@@ -117,7 +123,7 @@ def main() -> int:
                                  "batches": fleet.batch_share(before, after)})
             finally:
                 fleet.stop(proc)
-    print(f"\nS9 {a.model}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
+    print(f"\nS9 {a.model}, adapters on {a.targets}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
     print(f"{'M':>5} {'N':>3} {'who':<44} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'hit rate':>8} "
           f"{'switches':>8} {'merged tokens':>13}")
     for r in rows:

@@ -101,3 +101,27 @@ def test_a_worker_that_dies_before_ready_is_reported_at_once():
     with pytest.raises(RuntimeError, match=r"worker 0 ended before it was ready \(exit code 2\)"):
         fleet.run_fleet([["--mode", "nope", "--role", "infer"]], 1.0, timeout_s=120)
     assert time.monotonic() - t0 < 60
+
+
+def test_s9_adapters_on_every_attention_projection_load_into_peft():
+    """S9's `--targets q_proj,k_proj,v_proj,o_proj` (S3's adapters): adapter k's weights fit a PEFT
+    LoRA of those targets on a GQA model (k and v narrower than q), q and v alone stay the default,
+    and a target S9 does not make is refused by name."""
+    import fleet_worker
+    import s9_adapters
+
+    from tests.models import build_builtin
+
+    config = build_builtin("tiny-llama").config
+    assert config.num_key_value_heads < config.num_attention_heads  # (k and v narrower than q and o)
+    every = s9_adapters.ATTENTION
+    weights = s9_adapters.adapter_weights(config, 3, targets=every)
+    assert len(weights) == config.num_hidden_layers * 4
+    model = fleet_worker.lora(build_builtin("tiny-llama"), s9_adapters.rank_of(3), list(every))
+    s9_adapters.load_into(model, weights)  # (raises on a shape that does not fit, or a layer left out)
+    o = model.base_model.model.model.layers[1].self_attn.o_proj
+    assert torch.equal(o.lora_B["default"].weight, weights["model.layers.1.self_attn.o_proj"][1])
+    default = s9_adapters.adapter_weights(config, 3)
+    assert sorted(default) == sorted(u for u in weights if u.endswith(("q_proj", "v_proj")))
+    with pytest.raises(ValueError, match="not on gate_proj"):
+        s9_adapters.adapter_weights(config, 3, targets=("q_proj", "gate_proj"))
