@@ -245,3 +245,46 @@ def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
     with local._WAITERS_LOCK:  # (the box is the fixture's: only the bookkeeping goes)
         for t in (a, other):
             local._WAITERS.pop(id(t), None)
+
+
+def test_a_join_cut_short_waits_again_at_the_next_attach(box, monkeypatch):
+    """A tenant whose first join beside a sibling is interrupted (KeyboardInterrupt in its wait)
+    stays counted, so the sibling keeps waiting for its replies, and its next attach's join waits
+    for the sibling's output word again instead of taking the join as done. A sibling's call that
+    will wait for its reply stops deciding at once (a joining tenant need not wait it out)."""
+    import threading
+    import time
+    import types
+
+    from symbiont.client.transports import local
+
+    def transport(mailbox_=None, seq=0):
+        t = local.LocalTransport("local://test-join-cut", "test-join-cut")
+        t._executor_pid, t._box = 303, mailbox_
+        t._order = types.SimpleNamespace(seq=seq) if mailbox_ is not None else None
+        return t
+
+    a = transport(box, seq=7)
+    b = transport()
+    try:
+        box.set_output_word(5)  # a's calls 6 and 7 not answered yet
+        a._join_waiters()
+        cut = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: (_ for _ in ()).throw(KeyboardInterrupt()))
+        monkeypatch.setattr(local, "time", cut)
+        with pytest.raises(KeyboardInterrupt):
+            b._join_waiters()
+        monkeypatch.setattr(local, "time", time)
+        assert not a._early()  # (b is still counted)
+        threading.Timer(0.3, box.set_output_word, args=(7,)).start()
+        t0 = time.monotonic()
+        b._join_waiters()  # (as its next attach's _map does)
+        assert time.monotonic() - t0 >= 0.25, "the second join did not wait for the sibling's output word"
+        t0 = time.monotonic()
+        b._join_waiters()  # (a grow's remap: settled, no wait)
+        assert time.monotonic() - t0 < 0.1
+        a._deciding = True  # (a call of a's, now beside b: it waits for its reply, so it is no longer deciding)
+        assert a._decide(torch.zeros(2)) == (False, False) and not a._deciding
+    finally:
+        with local._WAITERS_LOCK:  # (the box is the fixture's: only the bookkeeping goes)
+            for t in (a, b):
+                local._WAITERS.pop(id(t), None)

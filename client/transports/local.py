@@ -84,6 +84,7 @@ class LocalTransport(LocalCalls, Transport):
         self._spin = SPIN_US
         self._outstanding: tuple[int, int] | None = None  # (call id, input_seq) of an interrupted call not answered yet
         self._deciding = False  # a call is between its look at _early() and its GPU wait (_call)
+        self._settled = False  # this attach's first join waited out its siblings' early calls (_join_waiters)
         self.native_calls = True  # same GPU: a call's steps in one native call where it can (False: each from Python)
         # a peer GPU of the executor's: calls ordered on our streams by the mailbox's words, as on its GPU
         # (False, set before attaching: on its GPU by the mailbox's events, each call waiting for its reply)
@@ -154,6 +155,7 @@ class LocalTransport(LocalCalls, Transport):
         if not grow:
             with _WAITERS_LOCK:
                 _WAITERS.pop(id(self), None)
+            self._settled = False
         if order is not None and order.out_word and box is not None:
             if self._unanswered.busy or box.detached or not self._executor_alive():
                 order.release_all(self._unanswered)  # no result may come for the calls our GPU waits for
@@ -188,12 +190,13 @@ class LocalTransport(LocalCalls, Transport):
     def _join_waiters(self) -> None:
         """Counts this transport among the process's waiters (a grow's remap: still counted). A
         first join beside siblings waits until the GPU waits they queued while alone have passed:
-        their calls wait for their replies from now on (_early), ours too."""
+        their calls wait for their replies from now on (_early), ours too. A join cut short (an
+        interrupt) stays counted and waits again at the next attach's."""
         with _WAITERS_LOCK:
             ref = _WAITERS.get(id(self))
             known = ref is not None and ref() is self
             _WAITERS[id(self)] = weakref.ref(self)
-        if known:
+        if known and self._settled:
             return
         deadline = time.monotonic() + SETTLE_S
         for t in self._siblings():
@@ -207,6 +210,11 @@ class LocalTransport(LocalCalls, Transport):
                 if seq is not None and reached(box.output_word(), seq):
                     break
                 time.sleep(RELEASE_POLL_US * 1e-6)
+            else:
+                if time.monotonic() >= deadline and t._box is box and not box.detached:
+                    warnings.warn(f"{self.url}: joined after {SETTLE_S:.0f} s without seeing a sibling tenant's early calls "
+                                  "answered", RuntimeWarning, stacklevel=3)
+        self._settled = True
 
     def _grow(self, need: int) -> None:
         if need > self._max_data:
@@ -265,9 +273,8 @@ class LocalTransport(LocalCalls, Transport):
             self._deciding = False
 
     def _call_decided(self, unit, op, x, out_shape, out_dtype, latency, take):
-        unanswered = self._unanswered
-        may_return = self._order is not None and self._early()  # (looked at once a call: it walks the siblings)
-        native = self._lane is not None and self.native_calls and may_return and x.device == self._order.device
+        unanswered, box = self._unanswered, self._box
+        may_return, native = self._decide(x)
         if native:  # replies are taken every TAKE_EVERY calls, and at once when one says a call failed
             failures = self._box.failures()
             if failures != self._failures or unanswered.failure is not None or unanswered.failed:
@@ -285,6 +292,8 @@ class LocalTransport(LocalCalls, Transport):
             if chunk:
                 return self._call_in_rows(unit, op, x, out_shape, out_dtype, latency, take, chunk)
             plan = self._plan(key, x)  # (a grow maps another mailbox)
+            if self._box is not box and may_return:  # (a sibling joining meanwhile did not see this call: look again)
+                may_return, native = self._decide(x)
         call_id = next(self._ids)
         if x.dtype == torch.int64 and self._order is not None:  # embedding ids into our GPU data area
             if x.is_cuda:  # (queued first: the copy of the bounds runs while the call goes)
@@ -296,6 +305,14 @@ class LocalTransport(LocalCalls, Transport):
         except BaseException:  # (its failure, or another's: the forward ends with it)
             self._id_checks.forget(call_id)
             raise
+
+    def _decide(self, x: torch.Tensor) -> tuple[bool, bool]:
+        """Whether the call on x may return before its reply, and whether it goes natively. A call
+        that may not is no longer deciding (a joining sibling need not wait for it)."""
+        may_return = self._order is not None and self._early()  # (looked at once a call: it walks the siblings)
+        if not may_return:
+            self._deciding = False
+        return may_return, self._lane is not None and self.native_calls and may_return and x.device == self._order.device
 
     def _send_call(self, unit, op, x, out_shape, out_dtype, latency, take, plan, key, call_id: int, native: bool,
                    may_return: bool):
@@ -334,6 +351,7 @@ class LocalTransport(LocalCalls, Transport):
             self._wake.ring(wake_always=True)
             if early:
                 order.wait_result(stream, seq)  # our GPU waits for the result
+                self._deciding = False  # (its wait is queued: a joining sibling reads its sequence now)
         except BaseException:  # (an interrupt too) its word must still be written, in call order
             if not sent:
                 self._unanswered.forget(request.call_id)

@@ -71,6 +71,7 @@ class LocalCalls:
                 raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
             if rc:  # sent, but the wait for its result was not queued (its reply is taken later)
                 order.wait_result(stream, seq)
+            self._deciding = False  # (its wait is queued: a joining sibling reads its sequence now)
         except BaseException:  # (an interrupt too, raised as the native call returns)
             if seq:
                 self._interrupted(lane, call_id, seq, stream)
