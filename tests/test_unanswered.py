@@ -249,8 +249,8 @@ def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
 
 def test_a_join_cut_short_waits_again_at_the_next_attach(box, monkeypatch):
     """A tenant whose first join beside a sibling is interrupted (KeyboardInterrupt in its wait)
-    stays counted, so the sibling keeps waiting for its replies, and its next attach's join waits
-    for the sibling's output word again instead of taking the join as done. A sibling's call that
+    stays counted, so the sibling keeps waiting for its replies, and its next call's join waits for
+    the sibling's output word again (and starts the watchdog) instead of taking the join as done. A sibling's call that
     will wait for its reply stops deciding at once (a joining tenant need not wait it out)."""
     import threading
     import time
@@ -274,11 +274,14 @@ def test_a_join_cut_short_waits_again_at_the_next_attach(box, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             b._join_waiters()
         monkeypatch.setattr(local, "time", time)
-        assert not a._early()  # (b is still counted)
+        assert not a._early() and not b._settled  # (b is still counted)
+        watchdogs = []
+        monkeypatch.setattr(local, "start_watchdog", lambda t: watchdogs.append(t) or threading.Thread())
         threading.Timer(0.3, box.set_output_word, args=(7,)).start()
         t0 = time.monotonic()
-        b._join_waiters()  # (as its next attach's _map does)
+        b._settle()  # (as its next call does, seeing the join unsettled)
         assert time.monotonic() - t0 >= 0.25, "the second join did not wait for the sibling's output word"
+        assert b._settled and watchdogs == [b]
         t0 = time.monotonic()
         b._join_waiters()  # (a grow's remap: settled, no wait)
         assert time.monotonic() - t0 < 0.1

@@ -106,8 +106,8 @@ class LocalTransport(LocalCalls, Transport):
         self._gone, self._outstanding = "", None  # (of an earlier attach)
         self._wake_mem = mailbox.open_region(reply.wake.owner_pid, reply.wake.fd, reply.wake.size)
         self._wake = Doorbell(self._wake_mem, 0)
-        self._map(reply)  # (releases what an earlier mailbox still waited for)
         self._max_data = reply.max_mailbox_bytes
+        self._map(reply)  # (releases what an earlier mailbox still waited for)
 
     def _executor_alive(self) -> bool:
         return alive(self._executor_pid)
@@ -144,9 +144,14 @@ class LocalTransport(LocalCalls, Transport):
             with _WAITERS_LOCK:
                 _WAITERS.pop(id(self), None)
         else:
-            self._join_waiters()
-            if self._watchdog is None or not self._watchdog.is_alive():
-                self._watchdog = start_watchdog(self)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Joins the process's waiters (_join_waiters) and starts the watchdog of our GPU's waits:
+        at a mapping with words, and at the next call when an interrupt cut that short."""
+        self._join_waiters()
+        if self._watchdog is None or not self._watchdog.is_alive():
+            self._watchdog = start_watchdog(self)
 
     def _unmap(self, grow: bool = False) -> None:
         """Drops the device region (after our GPU is done with it), the words mapping, the mailbox;
@@ -191,7 +196,7 @@ class LocalTransport(LocalCalls, Transport):
         """Counts this transport among the process's waiters (a grow's remap: still counted). A
         first join beside siblings waits until the GPU waits they queued while alone have passed:
         their calls wait for their replies from now on (_early), ours too. A join cut short (an
-        interrupt) stays counted and waits again at the next attach's."""
+        interrupt) stays counted, and our next call joins again (_call)."""
         with _WAITERS_LOCK:
             ref = _WAITERS.get(id(self))
             known = ref is not None and ref() is self
@@ -261,6 +266,8 @@ class LocalTransport(LocalCalls, Transport):
             self._executor_gone(self._gone)
         if self._outstanding:  # an interrupted call is still running there: it is finished first
             self._finish_outstanding()
+        if not self._settled and self._order is not None and self._order.out_word:  # (the attach's join was cut short)
+            self._settle()
         if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
             with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
                 return self._call(unit, op, x, out_shape, out_dtype, latency, take)
