@@ -291,3 +291,49 @@ def test_a_join_cut_short_waits_again_at_the_next_attach(box, monkeypatch):
         with local._WAITERS_LOCK:  # (the box is the fixture's: only the bookkeeping goes)
             for t in (a, b):
                 local._WAITERS.pop(id(t), None)
+
+
+def test_a_call_whose_mailbox_grew_looks_again_at_who_is_attached(box):
+    """A call of a lone tenant may return early; if its mailbox grows before it is sent, a sibling
+    may have joined during the grow without seeing it (no mailbox to read then). The call then looks
+    again and waits for its reply instead of queueing an early GPU wait beside the sibling."""
+    import types
+
+    from symbiont.client.transports import local
+
+    def transport(mailbox_=None, seq=0):
+        t = local.LocalTransport("local://test-grow-look", "test-grow-look")
+        t._executor_pid, t._box = 404, mailbox_
+        t._order = types.SimpleNamespace(seq=seq, device=torch.device("cpu")) if mailbox_ is not None else None
+        return t
+
+    fd, mem = mailbox.create_region("symbiont-test-grown", mailbox.Mailbox.total_bytes(0))
+    grown = mailbox.Mailbox(mem, 0)
+    a, joiner, sent = transport(box, seq=3), None, {}
+    a.split_bytes = 0
+    box.set_output_word(3)
+    try:
+        a._join_waiters()
+
+        def plan_with_a_grow(key, x):  # (as _plan does when the data area is too small: another mailbox)
+            nonlocal joiner
+            a._box = None  # (between the grow's two mailboxes)
+            joiner = transport()
+            joiner._join_waiters()  # (sees no mailbox of a's: nothing to wait for)
+            a._box = grown
+            return "plan"
+
+        def send_call(*args):
+            sent["may_return"], sent["native"] = args[-1], args[-2]
+            return "result"
+
+        a._plan, a._send_call = plan_with_a_grow, send_call
+        a._deciding = True
+        assert a._call_decided("u", pb.FORWARD, torch.zeros(1, 4), (1, 4), torch.float32, pb.INFERENCE, None) == "result"
+        assert sent == {"may_return": False, "native": False} and not a._deciding
+    finally:
+        with local._WAITERS_LOCK:
+            for t in (a, joiner):
+                local._WAITERS.pop(id(t), None)
+        grown.close()
+        os.close(fd)
