@@ -17,19 +17,24 @@ def rank_of(k: int) -> int:
     return RANKS[k % len(RANKS)]
 
 
-def adapter_weights(config, k: int, dtype=torch.bfloat16, targets=TARGETS) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """{unit path: (A [r, in], B [out, r], scale)} of adapter k for a Llama-like config, on `targets`
-    (of ATTENTION)."""
+def check_targets(targets) -> None:
+    """Raises ValueError naming any target S9 makes no adapter for (it makes them on ATTENTION)."""
     unknown = sorted(set(targets) - set(ATTENTION))
     if unknown:
         raise ValueError(f"S9 adapters go on {', '.join(ATTENTION)}; not on {', '.join(unknown)}")
+
+
+def adapter_weights(config, k: int, dtype=torch.bfloat16, targets=TARGETS) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """{unit path: (A [r, in], B [out, r], scale)} of adapter k for a Llama-like config, on `targets`
+    (of ATTENTION)."""
+    check_targets(targets)
     r = rank_of(k)
     g = torch.Generator().manual_seed(1_000_003 * (k + 1))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     shapes = {"q_proj": (config.hidden_size, heads), "k_proj": (config.hidden_size, kv),  # (in, out)
               "v_proj": (config.hidden_size, kv), "o_proj": (heads, config.hidden_size)}
-    order = [t for t in TARGETS if t in targets] + [t for t in ATTENTION if t in targets and t not in TARGETS]
+    order = [t for t in ATTENTION if t in targets]  # (q before v, as TARGETS: the default's draws as ever)
     weights = {}
     for layer in range(config.num_hidden_layers):
         for target in order:

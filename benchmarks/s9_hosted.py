@@ -66,10 +66,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     ns = [int(n) for n in a.ns.split(",")]
     workloads = [(f"top {float(s):.0%}", float(s)) for s in a.skews.split(",") if s] or [(f"zipf {a.zipf}", None)]
-    from symbiont.base_executor.models import BUILTINS
-
     targets = a.targets.split(",")
-    s9_adapters.adapter_weights(BUILTINS[a.model].config(), 0, targets=targets)  # (refuses an unknown target before anything starts)
+    s9_adapters.check_targets(targets)  # (before anything starts)
     common = ["--model", a.model, "--device", a.device, "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
               "--warmup", str(a.warmup), "--targets", a.targets]
     rows = []

@@ -247,11 +247,12 @@ def test_only_a_processs_one_tenant_of_an_executor_returns_early(box):
             local._WAITERS.pop(id(t), None)
 
 
-def test_a_join_cut_short_waits_again_at_the_next_attach(box, monkeypatch):
+def test_a_join_cut_short_waits_again_at_the_next_call(box, monkeypatch):
     """A tenant whose first join beside a sibling is interrupted (KeyboardInterrupt in its wait)
     stays counted, so the sibling keeps waiting for its replies, and its next call's join waits for
-    the sibling's output word again (and starts the watchdog) instead of taking the join as done. A sibling's call that
-    will wait for its reply stops deciding at once (a joining tenant need not wait it out)."""
+    the sibling's output word again (and starts the watchdog) instead of taking the join as done.
+    A sibling's call that will wait for its reply stops deciding at once (a joining tenant need not
+    wait it out)."""
     import threading
     import time
     import types
