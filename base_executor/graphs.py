@@ -86,19 +86,11 @@ class CallGraphs:
         """call's result, written into call.out (its [tokens, d_out] place in the mailbox), viewed
         as call.out_shape. Its graph is found by call.graph_key (its unit, op, shape and mailbox
         offsets)."""
-        key = call.graph_key
-        e = self._entries.get(key)
-        if e is not None and e.graph is not None:
+        e = self._entry(call.graph_key)
+        if e.graph is not None:
             e.graph.replay()
             self.counters.graph_replays += 1
             return e.y
-        if e is None:
-            if len(self._entries) >= MAX_GRAPHS:
-                oldest = next(iter(self._entries))
-                if self.on_drop is not None:
-                    self.on_drop(oldest)
-                del self._entries[oldest]  # (a replay still queued keeps its graph alive on the GPU)
-            e = self._entries[key] = _Entry()
         e.seen += 1
         if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):
             try:
@@ -120,6 +112,18 @@ class CallGraphs:
         with torch.cuda.use_mem_pool(self._memory(), self.device):
             return _compute(call, exact).view(call.out_shape)
 
+    def _entry(self, key) -> _Entry:
+        """key's entry, made at its first sight (the oldest key goes beyond MAX_GRAPHS)."""
+        e = self._entries.get(key)
+        if e is None:
+            if len(self._entries) >= MAX_GRAPHS:
+                oldest = next(iter(self._entries))
+                if self.on_drop is not None:
+                    self.on_drop(oldest)
+                del self._entries[oldest]  # (a replay still queued, or a step program, keeps its graph alive)
+            e = self._entries[key] = _Entry()
+        return e
+
     def _memory(self):
         """The pool of this stream's graphs and eager calls (every use is on the one stream, so
         a block freed by one call is free for the next, graphed or not); a graph pool where
@@ -127,6 +131,25 @@ class CallGraphs:
         if self._pool is None:
             self._pool = torch.cuda.MemPool() if SHARED_POOLS else torch.cuda.graph_pool_handle()
         return self._pool
+
+    def capture_pool(self):
+        """What a capture passes as its pool: these graphs' memory."""
+        return self._memory().id if SHARED_POOLS else self._memory()
+
+    def graph_for(self, call: Call, exact: bool) -> torch.cuda.CUDAGraph:
+        """The graph of call's key, captured now if it has none (nothing runs); raises where it
+        cannot be (transports/programs.py: a step program is graphs only)."""
+        e = self._entry(call.graph_key)
+        if e.graph is not None:
+            return e.graph
+        if not self._capturable(call):
+            raise ValueError(f"{call.unit.id} {pb.Op.Name(call.op)} of {call.tokens} tokens is not captured as a graph")
+        e.seen = max(e.seen, CAPTURE_AT)
+        e.graph = self._capture(call, exact)
+        e.y = call.out.view(call.out_shape)
+        e.adapter = call.adapter if call.adapter is not None else call.unit if call.merge_epoch else None
+        self.counters.graph_captures += 1
+        return e.graph
 
     def _capturable(self, call: Call) -> bool:
         if call.out is None or call.tokens > self.max_tokens or call.unit.kind not in (LINEAR, CONV1D, EMBEDDING, MLP, SPAN):
@@ -139,7 +162,7 @@ class CallGraphs:
         stream = torch.cuda.current_stream(self.device)
         on = stream if stream.cuda_stream != 0 else self._side_stream
         # (a CallGraphs's calls are all on one stream; on the default stream only its captures use the pool)
-        pool = self._memory().id if SHARED_POOLS else self._memory()
+        pool = self.capture_pool()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.set_stream(on)
         try:

@@ -74,7 +74,7 @@ def build(a):
     conn = connect(a.url, name=f"{a.role}-{a.index}", spin_us=a.spin_us)  # (calls under no_grad go in the inference class)
     if a.wait_replies:  # (same GPU: the host waits for each reply; nothing of ours waits on the GPU)
         conn.transport.return_early = False
-    return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss), conn
+    return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss, step_graphs=a.step_graphs), conn
 
 
 def lora(model, rank: int, targets: list[str], name: str = "default", into=None):
@@ -160,6 +160,8 @@ def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -
         from transformers import CompileConfig
 
         kw.update(cache_implementation="static", compile_config=CompileConfig(mode=a.compile))
+    elif a.step_graphs or a.static_cache:  # (eager, as generate's own compiling is off)
+        kw.update(cache_implementation="static", disable_compile=True)
     if adapter_names is not None:
         kw["adapter_names"] = adapter_names
 
@@ -213,7 +215,8 @@ def prepare(a):
         name = f"{a.role}-{a.index}"
         conn.host_adapter(name, model, device=a.device)
         del model
-        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name, lm_loss=a.lm_loss)
+        model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name, lm_loss=a.lm_loss,
+                           step_graphs=a.step_graphs)
     if a.role == "finetune":
         model.train()
         if a.checkpointing:  # (each layer's activations recomputed in backward: a tenant's forward calls twice)
@@ -344,6 +347,9 @@ def main() -> int:
                    "thread waits for its stream after every forward, the interpreter's lock released (settle())")
     p.add_argument("--spin-us", type=int, default=None, help="symbiont: how long a call spins on its reply before "
                    "sleeping (connect(spin_us=); default: by placement)")
+    p.add_argument("--step-graphs", action="store_true", help="symbiont infer on the executor's GPU: decoding steps "
+                   "replayed as CUDA graphs with their calls as step programs (a static cache; client/step_graphs.py)")
+    p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
     p.add_argument("--keep-full-masks", action="store_true", help="symbiont: decoding steps keep a full attention mask "

@@ -182,6 +182,7 @@ class Connection:
         whole_mlp: bool = True,
         adapter: str | None = None,
         lm_loss: str = "fused",
+        step_graphs: bool = False,
     ) -> nn.Module:
         """The tenant's model built from the executor's skeleton alone, already virtualized and
         attached: no checkpoint on this side, and the units' weights are never materialised
@@ -192,7 +193,7 @@ class Connection:
         `dtype`: the served dtype (the default); the units compute in it, so another one raises.
         `build(config)` makes the model for a config (default: `AutoModelForCausalLM.from_config`);
         pass your own class's constructor to build that instead. Its module paths must be the
-        served model's. `fuse`, `whole_mlp`, `adapter`, `lm_loss`: as for virtualize.
+        served model's. `fuse`, `whole_mlp`, `adapter`, `lm_loss`, `step_graphs`: as for virtualize.
         """
         from safetensors.torch import load
 
@@ -221,7 +222,8 @@ class Connection:
         # virtualize then sees the model as the tenant will use it
         state = load(self.skeleton().weights)
         model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
-        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter, lm_loss=lm_loss)
+        virtualize(model, self, fuse=fuse, whole_mlp=whole_mlp, device=device, adapter=adapter, lm_loss=lm_loss,
+                   step_graphs=step_graphs)
         missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if missing:
             raise RuntimeError(f"the executor's skeleton lacks weights for {missing[:5]}")

@@ -227,6 +227,7 @@ def virtualize(
     mask=None,
     adapter: str | None = None,
     lm_loss: str = "fused",
+    step_graphs: bool = False,
 ) -> nn.Module:
     """Replaces `model`'s frozen units (Linear, Conv1D, Embedding, lm_head) with shims served by
     `executor` (an address such as 'local://NAME', or a Connection) and frees their weights.
@@ -247,7 +248,10 @@ def virtualize(
     Triton kernels on a GPU, the same function within float32 rounding, reading the logits once a
     pass and holding one float a row (client/fused_loss.py), elsewhere as "chunked"; "chunked", in
     row chunks, bit for bit transformers', without its full-vocabulary float32 tensors
-    (client/loss.py); "transformers" keeps transformers' own.
+    (client/loss.py); "transformers" keeps transformers' own. `step_graphs` (a tenant on the
+    executor's GPU): decoding steps with a static cache are captured once as CUDA graphs, their
+    calls as one program the executor runs, and replayed (client/step_graphs.py); other forwards,
+    and every forward elsewhere, run as before.
 
     Works on a plain transformers model and on a PEFT model, before or after get_peft_model.
     Returns the same model object, changed in place. Raises ModelMismatchError naming the first
@@ -351,6 +355,10 @@ def virtualize(
         loss.install(root, fused=lm_loss == "fused")
     if _drops_full_masks(config):
         root.register_forward_pre_hook(_dropping_full_masks(root), with_kwargs=True)
+    if step_graphs:  # (the forward hooks below run around its replays too)
+        from symbiont.client import step_graphs as graphs
+
+        graphs.install(root, conn.transports)
     # a call may return before its reply: a failure surfaces by the end of the forward it is in
     root.register_forward_hook(_confirming(conn.transports))
     for m in {id(root): root, id(model): model}.values():

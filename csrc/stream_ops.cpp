@@ -25,6 +25,7 @@
 // The slow twin of each is in proto/cuda_ipc.py (ctypes).
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "shm.h"
 
@@ -166,8 +167,10 @@ class Lane {
   // producer); 1 when the request went but the wait could not be queued. Raises when the copy or
   // the write fails (the request did not go). pushed / waited: the seq of the last request pushed
   // and of the last wait queued, which say how far a call got when an interrupt is raised as this
-  // returns (before its result can be read).
-  int send(uintptr_t src, size_t nbytes, uintptr_t stream, const py::bytes& header, uint64_t call_id, uint32_t seq) {
+  // returns (before its result can be read). wait=false leaves the wait out (a step program's run:
+  // the caller queues the step's graph first, whose words the executor's side waits for).
+  int send(uintptr_t src, size_t nbytes, uintptr_t stream, const py::bytes& header, uint64_t call_id, uint32_t seq,
+           bool wait = true) {
     const Driver& d = driver();
     ensure_context(d, device_);
     char* head = nullptr;
@@ -194,8 +197,10 @@ class Lane {
         pushed = true;
         pushed_ = seq;
         wake_.ring(/*wake_always=*/true);
-        rc = d.wait_value32(as_stream(stream), output_word_, seq, 0 /* GEQ */);
-        if (rc == 0) waited_ = seq;
+        if (wait) {
+          rc = d.wait_value32(as_stream(stream), output_word_, seq, 0 /* GEQ */);
+          if (rc == 0) waited_ = seq;
+        }
       }
     }
     if (failed) check(rc, failed);
@@ -302,7 +307,17 @@ class ServeLane {
   // Serves calls of `header` from now on: `graph_exec` (a cudaGraphExec_t the caller keeps alive
   // until forget) computes it, `reply` is its CallReply without call_id; `index` names it in counts().
   void learn(const py::bytes& header, uintptr_t graph_exec, const py::bytes& reply, uint32_t index) {
-    entries_[std::string(header)] = Entry{graph_exec, std::string(reply), index, 0};
+    entries_[std::string(header)] = Entry{graph_exec, std::string(reply), index, 0, {}, 0, 0};
+  }
+
+  // Serves the runs of a step program (base_executor/transports/programs.py) from now on: for each,
+  // call k's graph (graph_execs[k - 1]) behind a wait for the program input word to reach k, and
+  // the program output word's write of k after it; the input word is set back to 0 after the last
+  // wait. The caller keeps the graphs alive until forget.
+  void learn_program(const py::bytes& header, const std::vector<uintptr_t>& graph_execs, uintptr_t program_in,
+                     uintptr_t program_out, const py::bytes& reply, uint32_t index) {
+    if (graph_execs.empty()) throw std::invalid_argument("a step program holds at least one call");
+    entries_[std::string(header)] = Entry{0, std::string(reply), index, 0, graph_execs, program_in, program_out};
   }
 
   void forget(const py::bytes& header) {
@@ -342,7 +357,12 @@ class ServeLane {
         requests_.drop_front();  // (its GPU wait is queued: from here on it is ours)
         late_ += late;
         awaiting_ = seq;
-        if ((rc = d.graph_launch(reinterpret_cast<void*>(e.graph_exec), as_stream(stream_))) != 0) { failed = "cuGraphLaunch"; ++n; break; }
+        if (e.program.empty()) {
+          if ((rc = d.graph_launch(reinterpret_cast<void*>(e.graph_exec), as_stream(stream_))) != 0) { failed = "cuGraphLaunch"; ++n; break; }
+        } else if ((failed = run_program(d, e, &rc)) != nullptr) {
+          ++n;
+          break;
+        }
         if ((rc = d.write_value32(as_stream(stream_), output_word_, seq, 0)) != 0) { failed = "cuStreamWriteValue32"; ++n; break; }
         uint8_t head[1 + 10];
         size_t h = 0;
@@ -388,7 +408,22 @@ class ServeLane {
     std::string reply;
     uint32_t index;
     uint64_t served;
+    std::vector<uintptr_t> program;  // a step program's graphs, call by call (graph_exec unused)
+    uintptr_t program_in, program_out;  // its words
   };
+
+  // Queues one run of a step program (learn_program); the failing driver call's name, or nullptr.
+  const char* run_program(const Driver& d, const Entry& e, CUresult* rc) {
+    CUstream s = as_stream(stream_);
+    const uint32_t n = static_cast<uint32_t>(e.program.size());
+    for (uint32_t k = 1; k <= n; ++k) {
+      if ((*rc = d.wait_value32(s, e.program_in, k, 0 /* GEQ */)) != 0) return "cuStreamWaitValue32";
+      if (k == n && (*rc = d.write_value32(s, e.program_in, 0, 0)) != 0) return "cuStreamWriteValue32";
+      if ((*rc = d.graph_launch(reinterpret_cast<void*>(e.program[k - 1]), s)) != 0) return "cuGraphLaunch";
+      if ((*rc = d.write_value32(s, e.program_out, k, 0)) != 0) return "cuStreamWriteValue32";
+    }
+    return nullptr;
+  }
 
   // The host's reading of the GPU wait's condition (proto/cuda_ipc.py reached()).
   bool input_reached(uint32_t seq) const {
@@ -431,7 +466,7 @@ PYBIND11_MODULE(_stream_ops, m) {
            py::arg("mailbox"), py::arg("ring_offset"), py::arg("nslots"), py::arg("slot_size"), py::arg("wake"),
            py::arg("dst"), py::arg("input_word"), py::arg("output_word"), py::arg("device"))
       .def("send", &Lane::send, py::arg("src"), py::arg("nbytes"), py::arg("stream"), py::arg("header"),
-           py::arg("call_id"), py::arg("seq"))
+           py::arg("call_id"), py::arg("seq"), py::arg("wait") = true)
       .def_property_readonly("pushed", &Lane::pushed)
       .def_property_readonly("waited", &Lane::waited);
   py::class_<ServeLane>(m, "ServeLane")
@@ -440,6 +475,8 @@ PYBIND11_MODULE(_stream_ops, m) {
            py::arg("slot_size"), py::arg("reply_bell_offset"), py::arg("stream"), py::arg("input_word"),
            py::arg("output_word"), py::arg("device"), py::arg("input_word_offset"))
       .def("learn", &ServeLane::learn, py::arg("header"), py::arg("graph_exec"), py::arg("reply"), py::arg("index"))
+      .def("learn_program", &ServeLane::learn_program, py::arg("header"), py::arg("graph_execs"), py::arg("program_in"),
+           py::arg("program_out"), py::arg("reply"), py::arg("index"))
       .def("forget", &ServeLane::forget, py::arg("header"))
       .def("serve", &ServeLane::serve, py::arg("most"))
       .def("take_counts", &ServeLane::take_counts)

@@ -16,6 +16,9 @@ Mailbox layout (offsets in bytes):
                                           once its result is in place; the tenant's stream waits on it
     [FAILURES_OFFSET,     +4)             how many failure replies the executor has pushed: a tenant
                                           that takes its replies in batches looks here at each call
+    [PROGRAM_IN_OFFSET,   +4)             same GPU, a step program's run: the tenant's graph writes each
+                                          call's number (1, 2, ...) once its input is in place
+    [PROGRAM_OUT_OFFSET,  +4)             ... and the executor's graph writes it once its result is
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -42,9 +45,14 @@ DETACHED_OFFSET = REPLY_BELL_OFFSET + 64
 INPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 128
 OUTPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 192
 FAILURES_OFFSET = REPLY_BELL_OFFSET + 256
+PROGRAM_IN_OFFSET = REPLY_BELL_OFFSET + 320
+PROGRAM_OUT_OFFSET = REPLY_BELL_OFFSET + 384
 WORDS_PAGE = (REPLY_BELL_OFFSET, 4096)  # the page holding the words a GPU reads or writes
 INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
 OUTPUT_WORD_IN_PAGE = OUTPUT_WORD_OFFSET - WORDS_PAGE[0]
+PROGRAM_IN_IN_PAGE = PROGRAM_IN_OFFSET - WORDS_PAGE[0]
+PROGRAM_OUT_IN_PAGE = PROGRAM_OUT_OFFSET - WORDS_PAGE[0]
+RELEASED = 0x7FFFFFFF  # a program word set to this lets every wait of a run pass (calls are numbered from 1)
 DATA_OFFSET = REPLY_BELL_OFFSET + 4096
 WAKE_BYTES = 4096
 ALIGN = 64
@@ -148,6 +156,12 @@ class Mailbox:
         """Tenant side: releases its own stream's wait for the result of call `value` (a failed
         call's, or any once the executor is gone)."""
         self._set_word(OUTPUT_WORD_OFFSET, value)
+
+    def release_program(self, output: bool) -> None:
+        """Lets every GPU wait of a step program's run pass: the executor's waits for the inputs
+        (its tenant detached or dead), or (output) the tenant's waits for the results (the run
+        failed, or the executor is gone). The results are then garbage; the run's reply says so."""
+        self._set_word(PROGRAM_OUT_OFFSET if output else PROGRAM_IN_OFFSET, RELEASED)
 
     def failures(self) -> int:
         """How many failure replies the executor has pushed on this mailbox (modulo 2**32)."""

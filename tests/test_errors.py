@@ -369,6 +369,29 @@ def test_malformed_ring_message(ex, reference):
         good.carries_on()
 
 
+def test_step_programs_of_a_cpu_tenant_are_refused(ex, reference):
+    """Step programs are a same-GPU tenant's (client/step_graphs.py): a CPU tenant's definition of
+    one is refused with a typed error, a run naming a program that was never defined, and a
+    definition with a malformed call, too; the offender's next call is served right and a
+    well-behaved tenant carries on."""
+    with WellBehavedTenant(ex) as good, attached(ex, "offender") as offender:
+        tr = offender.transport
+        header = pb.CallRequest(**q_call_fields()).SerializeToString()
+        with pytest.raises(InvalidCallError, match="same-GPU tenant"):
+            tr.control("program", pb.ProgramRequest(calls=[header]))
+        reply = tr._control(pb.ControlRequest(tenant_id=tr.tenant_id, token=tr.token,
+                                              program=pb.ProgramRequest(calls=[b"\xff\xfe"])), 10.0)
+        assert reply.status.code in (pb.INVALID_ARGUMENT, pb.MALFORMED), reply
+        req, reply = raw_call(tr, program=7, latency=pb.INFERENCE)
+        assert reply.call_id == req.call_id and reply.status.code == pb.INVALID_ARGUMENT, reply
+        assert "no step program 7" in reply.status.message
+        y = torch.randn(3, 64)
+        got = tr.call(Q, pb.FORWARD, y, (3, 64), torch.float32, pb.TRAINING)
+        with torch.no_grad():
+            assert torch.equal(got, reference.get_submodule(Q)(y))
+        good.carries_on()
+
+
 def test_malformed_control_message(ex):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -1092,3 +1092,39 @@ def test_same_gpu_tenant_trains_after_inference_mode():
         with torch.no_grad():
             torch.testing.assert_close(got, ref(x).logits, rtol=1e-4, atol=1e-4)
         assert_backward_matches(ref, virt, x, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
+    """A same-GPU tenant whose decoding steps replay as CUDA graphs with their calls as step
+    programs (virtualize(step_graphs=True)) gives bitwise the greedy tokens and scores of the same
+    tenant decoding eagerly, over three generate calls of two prompts (later calls' caches adopt the
+    graph's tensors), with a LoRA on q,v; the tokens are the unsplit model's. Its steps replay, and
+    the executor runs them as programs, natively after the first."""
+    from symbiont import connect
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch_dtype = getattr(torch, dtype)
+    with running_executor("tiny-llama", "--device", "cuda:0", "--dtype", dtype) as ex:
+        conn = connect(ex.url)
+
+        def make():
+            return lora_model("tiny-llama", base=build_builtin("tiny-llama", dtype=torch_dtype).cuda())
+
+        ref = make()
+        eager = virtualize(make(), conn)
+        graphed = virtualize(make(), conn, step_graphs=True)
+        steps = graphed.get_base_model().forward
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
+                  output_scores=True, return_dict_in_generate=True)
+        for prompt in (ids(1, 13).cuda(), ids(1, 9, seed=3).cuda(), ids(1, 13).cuda()):
+            want = eager.generate(prompt, **kw)
+            got = graphed.generate(prompt, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            for a, b in zip(got.scores, want.scores):
+                assert torch.equal(a, b)
+            torch.testing.assert_close(ref.generate(prompt, **kw).sequences, got.sequences, rtol=0, atol=0)
+        assert steps.captures >= 1 and steps.replays >= 2 * 9, (steps.captures, steps.replays)
+        paths = dict(conn.stats().call_paths)
+        assert paths.get("step program", 0) >= 1 and paths.get("native lane", 0) >= steps.replays - paths["step program"], paths
+        conn.close()

@@ -56,6 +56,9 @@ class Areas:
     lane: "object | None" = None  # proto._stream_ops.ServeLane: serves repeats of own_graphs' calls natively
     lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
     lane_small: bool = False  # the lane knows a call of fewer than solo_tokens tokens (LocalServer._learn)
+    programs: dict = dataclasses.field(default_factory=dict)  # id -> its step programs (transports/programs.py)
+    program_jobs: list = dataclasses.field(default_factory=list)  # definitions for the data loop to capture
+    next_program: int = 1
     lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
     lane_late: int = 0  # the lane's `late` count folded into LocalServer.paths
 
@@ -91,6 +94,8 @@ class Areas:
         nobody will read the result of (the tenant is detached)."""
         if self.awaiting:
             self.box.set_input_word(self.awaiting)
+            if self.programs:  # (a run's waits for its calls' inputs too)
+                self.box.release_program(output=False)
             self.awaiting, self.waited = 0, None
 
 

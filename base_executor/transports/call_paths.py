@@ -6,7 +6,8 @@ already when the lane queued them: the tenant's GPU had waited for our host), ru
 tenant's own stream (OWN; HELD_OWN after waiting on the host behind a queued call of the tenant),
 held until their input was in and then queued for the scheduler (HELD_QUEUED), queued with their
 input in (QUEUED), or queued before it (AHEAD,
-`serve --gpu-batches`). Other tenants' calls: from a host mailbox (MAILBOX: CPU tenants), or from a
+`serve --gpu-batches`), or run as a step program's run from Python (PROGRAM; the lane's runs count
+as NATIVE). Other tenants' calls: from a host mailbox (MAILBOX: CPU tenants), or from a
 remote transport (REMOTE: gRPC).
 """
 NATIVE = "native lane"
@@ -18,3 +19,4 @@ QUEUED = "queued, input in"
 AHEAD = "queued ahead"
 MAILBOX = "host mailbox"
 REMOTE = "remote"
+PROGRAM = "step program"

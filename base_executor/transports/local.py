@@ -42,6 +42,7 @@ from symbiont.base_executor.transports.areas import AreaPool, Tenant, owner_aliv
 from symbiont.base_executor.transports.call_paths import AHEAD, HELD_OWN, HELD_QUEUED, MAILBOX, OWN, QUEUED
 from symbiont.base_executor.transports.local_calls import LocalCalls
 from symbiont.base_executor.transports.local_control import LocalControl
+from symbiont.base_executor.transports.programs import LocalPrograms
 from symbiont.base_executor.transports.remote import RemoteTenants
 from symbiont.proto import mailbox, urls
 from symbiont.proto.cuda_ipc import reached, stream_wait
@@ -114,7 +115,7 @@ class LocalServerConfig:
             )
 
 
-class LocalServer(LocalControl, LocalCalls, RemoteTenants):
+class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
     def __init__(self, core: ExecutorCore, catalog: pb.CatalogReply, skeleton: pb.SkeletonReply, config: LocalServerConfig):
         self.core = core
         self.catalog = catalog
@@ -230,7 +231,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 tenants = list(self.tenants.values())
                 # (a tenant with nothing in its ring and no call held has nothing to drain: looking
                 # costs ~1 us, draining it ~5 us of Python and a GIL release in its lane)
-                got = sum(self._drain_safely(t, stopping) for t in tenants if t.held is not None or t.box.requests.pending())
+                got = sum(self._drain_safely(t, stopping) for t in tenants
+                          if t.held is not None or t.box.requests.pending() or t.areas.program_jobs)
             got += self._drain_remote(stopping)
             with self.lock:  # (gRPC threads attach and detach remote tenants)
                 remote = list(self.remote.values())
@@ -293,6 +295,8 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         stream, which the GPU makes wait for the copy (when no other tenant's call could join it
         in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
+        if t.areas.program_jobs:  # (before its calls: the tenant waits for the definition's reply)
+            self._capture_programs(t)
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
             if t.areas.lane is not None and t.held is None and not stopping and self._lane_may_serve(t):
                 n += self._serve_lane(t)  # up to the first call it does not know, which we take next
@@ -304,6 +308,12 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 arrived = self._input_in(t, req)
                 if (not stopping or not arrived) and self._run_waiting(t, req, HELD_OWN):
                     t.held = None
+                    continue
+                if req.program and not stopping:  # (held until t's queued calls have run)
+                    return n
+                if req.program:
+                    t.held = None
+                    self._run_program(t, req, True)
                     continue
                 if not arrived:
                     if time.monotonic() - since > self.config.input_timeout_s:
@@ -326,6 +336,12 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
                 except DecodeError as e:
                     self.core.counters.errors += 1
                     self._reply_error(t, 0, CallError(pb.MALFORMED, f"call bytes do not parse as CallRequest: {e}"))
+                    continue
+                if req.program:  # a step program's run (transports/programs.py): held behind t's queued calls
+                    if stopping or t.gpu is None:  # (answered: shutting down, or no such program)
+                        self._run_program(t, req, stopping)
+                    elif not self._run_waiting(t, req, OWN):
+                        t.held = (req, time.monotonic())
                     continue
                 if self.core.scheduler.config.convoys and self.core.table.get(req.unit) is not None:
                     self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
@@ -366,6 +382,11 @@ class LocalServer(LocalControl, LocalCalls, RemoteTenants):
         the scheduler's way instead (held first while its input is not in). `way`: what
         self.paths counts it as, once run (OWN, HELD_OWN)."""
         areas = t.areas
+        if req.program:  # (its calls are its own: it needs only t's earlier calls run)
+            if self.core.scheduler.waiting(t.id):
+                return False
+            self._run_program(t, req, False)
+            return True
         if not self._gpu_may_wait(t, req):
             return False
         if not (self._alone(t, (req.unit, req.op)) or self._solo(t, req)):

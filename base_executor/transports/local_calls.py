@@ -17,6 +17,7 @@ from symbiont.base_executor.graphs import CallGraphs
 from symbiont.base_executor.scheduler import Call
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import LATE, NATIVE
+from symbiont.base_executor.transports.programs import Program
 from symbiont.proto import codec, mailbox
 from symbiont.proto.cuda_ipc import native_ops, reached, stream_write
 from symbiont.proto import executor_pb2 as pb
@@ -123,16 +124,8 @@ class LocalCalls:
         graph = call.graphs.graph_of(call.graph_key) if call.graphs is not None else None
         if graph is None or result.error is not None or call.graph_key in areas.lane_keys or self.tenants.get(t.id) is not t:
             return
-        if areas.lane is None:
-            ops = native_ops()
-            if ops is None:
-                return
-            areas.lane = ops.ServeLane(
-                areas.box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.REPLY_RING_OFFSET, mailbox.RING_SLOTS,
-                mailbox.RING_SLOT_SIZE, mailbox.REPLY_BELL_OFFSET, areas.stream.cuda_stream, areas.words, areas.out_word,
-                self.core.device.index, mailbox.INPUT_WORD_OFFSET,
-            )
-            call.graphs.on_drop = lambda key: self._unlearn(areas, key)
+        if self._lane(t, call.graphs) is None:
+            return
         header = pb.CallRequest()
         header.CopyFrom(req)
         header.ClearField("call_id")
@@ -146,6 +139,23 @@ class LocalCalls:
         areas.lane_units.append((unit, call.op, call.tokens, call.latency, t.id, call.adapter_id, call.merge_epoch))
         if call.tokens < self.config.solo_tokens or not self.config.solo_tokens:
             areas.lane_small = True  # it knows a call others could join: it serves only while t is alone
+
+    def _lane(self, t: Tenant, graphs):
+        """t's native lane, made at its first use (None where the native module is not built);
+        `graphs`: the CallGraphs of t's own stream, whose dropped keys the lane forgets."""
+        areas = t.areas
+        if areas.lane is None:
+            ops = native_ops()
+            if ops is None:
+                return None
+            areas.lane = ops.ServeLane(
+                areas.box.mem, mailbox.REQUEST_RING_OFFSET, mailbox.REPLY_RING_OFFSET, mailbox.RING_SLOTS,
+                mailbox.RING_SLOT_SIZE, mailbox.REPLY_BELL_OFFSET, areas.stream.cuda_stream, areas.words, areas.out_word,
+                self.core.device.index, mailbox.INPUT_WORD_OFFSET,
+            )
+            if graphs is not None:
+                graphs.on_drop = lambda key: self._unlearn(areas, key)
+        return areas.lane
 
     def _unlearn(self, areas, key) -> None:
         header = areas.lane_keys.pop(key, None)
@@ -255,7 +265,12 @@ class LocalCalls:
         k = self.core.counters
         self._count_late(areas)
         for index, n in areas.lane.take_counts():
-            unit, op, tokens, latency, tenant, adapter, epoch = areas.lane_units[index]
+            entry = areas.lane_units[index]
+            if isinstance(entry, Program):  # (a step program's runs: each of its calls counted)
+                self._count_program(entry.tenant, entry, n)
+                k.native_calls += n * len(entry.calls)
+                continue
+            unit, op, tokens, latency, tenant, adapter, epoch = entry
             self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
             k.per_tenant_calls[tenant] += n
             k.per_tenant_tokens[tenant] += n * tokens

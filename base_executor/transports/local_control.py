@@ -76,7 +76,7 @@ class LocalControl:
         kind = req.WhichOneof("kind")
         if kind is None:
             return control_error(pb.MALFORMED, "empty ControlRequest: set one of attach, detach, grow, catalog, skeleton, stats, health, norms, "
-                                 "host_adapter, adapters, remove_adapter")
+                                 "host_adapter, adapters, remove_adapter, program")
         if kind == "health":
             return pb.ControlReply(
                 status=_OK,
@@ -117,6 +117,8 @@ class LocalControl:
                 return self.adapter_control(t.id, req)
         if kind == "grow":  # (its new areas are made outside the lock, as an attach's)
             return self._grow(t, req.grow.data_bytes)
+        if kind == "program":  # (the data loop captures it: transports/programs.py)
+            return self._define_program(t, req.program)
         return control_error(pb.INTERNAL, f"unhandled control request {kind}")
 
     def adapter_control(self, owner: int, req: pb.ControlRequest) -> pb.ControlReply:

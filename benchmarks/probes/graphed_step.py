@@ -3,12 +3,14 @@
 Two questions, on one GPU:
 
 A. Words in a graph. A CUDA graph captured on one stream writes an input word and waits for an
-   output word (cuStreamWriteValue32 / cuStreamWaitValue32 through proto._stream_ops) around each
-   of n calls; a second stream ("the executor"), driven from the host, waits for each input word,
-   runs a GEMM from the input area to the output area and writes the output word. Values 1..n
-   each replay; each side resets the word it waits on after its last wait. Checks the replayed
-   result against the same math run eagerly, and times a replay against the same graph with the
-   GEMMs inside it (the handovers' cost).
+   output word around each of n calls (one-thread kernels, client/transports/graph_words.py, as
+   step programs do; and, last, whether the driver's cuStreamWriteValue32 / cuStreamWaitValue32
+   can be captured at all: session 47's first run found a capture of them invalidated); a second
+   stream ("the executor"), driven from the host, waits for each input word with
+   cuStreamWaitValue32, runs a GEMM from the input area to the output area and writes the output
+   word. Values 1..n each replay; each side resets the word it waits on after its last wait.
+   Checks the replayed result against the same math run eagerly, and times a replay against the
+   same graph with the GEMMs inside it (the handovers' cost).
 
 B. transformers' decode step in a graph. A Llama (a built-in config, random weights, bf16) with a
    StaticCache and a fixed-length 2-D mask: one decode step captured with torch.cuda.graph
@@ -28,15 +30,40 @@ import time
 import torch
 
 
-def words_in_a_graph(dev: torch.device, n: int, width: int, reps: int) -> dict:
+def memops_captured(dev: torch.device) -> dict:
+    """Whether a capture survives one cuStreamWriteValue32 (and, separately, one cuStreamWaitValue32)."""
     from symbiont.proto.cuda_ipc import native_ops
+
+    ops = native_ops()
+    words = torch.zeros(64, dtype=torch.int32).pin_memory()
+    out = {}
+    for what in ("write_word", "wait_word"):
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(dev)
+        try:
+            graph.capture_begin()
+            try:
+                getattr(ops, what)(torch.cuda.current_stream(dev).cuda_stream, words.data_ptr(), 0)
+            finally:
+                graph.capture_end()
+            out[what] = "captured"
+        except Exception as e:
+            out[what] = f"{type(e).__name__}: {e}"[:300]
+        del graph, stream
+    return out
+
+
+def words_in_a_graph(dev: torch.device, n: int, width: int, reps: int) -> dict:
+    from symbiont.client.transports import graph_words
+    from symbiont.proto.cuda_ipc import as_tensor, native_ops
 
     ops = native_ops()
     if ops is None:
         return {"error": "proto._stream_ops not built"}
     torch.manual_seed(0)
     words = torch.zeros(64, dtype=torch.int32).pin_memory()
-    p_in, p_out = words.data_ptr(), words.data_ptr() + 128  # (mapped by UVA: cudaHostAlloc memory)
+    page = as_tensor(words.data_ptr(), words.numel() * 4, dev).view(torch.int32)  # (UVA: cudaHostAlloc memory)
+    p_in, p_out = words.data_ptr(), words.data_ptr() + 128
     w = torch.randn(width, width, device=dev, dtype=torch.bfloat16) / width**0.5
     box_in = torch.zeros(1, width, device=dev, dtype=torch.bfloat16)
     box_out = torch.zeros(1, width, device=dev, dtype=torch.bfloat16)
@@ -52,14 +79,13 @@ def words_in_a_graph(dev: torch.device, n: int, width: int, reps: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize(dev)
     with torch.cuda.graph(graph, stream=tenant):
-        s = torch.cuda.current_stream(dev).cuda_stream
         h = x.clone()
         for k in range(1, n + 1):
             box_in.copy_(h)
-            ops.write_word(s, p_in, k)
-            ops.wait_word(s, p_out, k)
+            graph_words.write(page, 0, k)
+            graph_words.wait(page, 32, k)
             h = box_out * 0.5 + h
-        ops.write_word(s, p_out, 0)
+        graph_words.write(page, 32, 0)
         y = h
 
     inline = torch.cuda.CUDAGraph()  # the same, each GEMM in the graph: no handover
@@ -196,13 +222,16 @@ def main() -> int:
     a = p.parse_args()
     dev = torch.device(a.device)
     out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    # (a capture gone wrong leaves the process's CUDA state broken: the driver's memops go last)
+    out["hf_step_in_a_graph"] = hf_step_in_a_graph(dev, a.model, a.prompt, a.new_tokens)
+    print(json.dumps(out["hf_step_in_a_graph"], indent=1), flush=True)
     try:
         out["words_in_a_graph"] = words_in_a_graph(dev, a.calls, a.width, a.reps)
     except Exception as e:
         out["words_in_a_graph"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
     print(json.dumps(out["words_in_a_graph"], indent=1), flush=True)
-    out["hf_step_in_a_graph"] = hf_step_in_a_graph(dev, a.model, a.prompt, a.new_tokens)
-    print(json.dumps(out["hf_step_in_a_graph"], indent=1), flush=True)
+    out["memops_captured"] = memops_captured(dev)
+    print(json.dumps(out["memops_captured"], indent=1), flush=True)
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -43,6 +43,7 @@ from symbiont.client.transport import Transport
 from symbiont.client.transports.control import ControlChannel
 from symbiont.client.transports.ids import IdsChecks
 from symbiont.client.transports.local_calls import MAX_UNANSWERED, LocalCalls, Plan, native_lane
+from symbiont.client.transports.local_programs import LocalPrograms
 from symbiont.client.transports.unanswered import RELEASE_POLL_US, Sent, Unanswered, reply_error
 from symbiont.client.transports.words import StreamOrder, start_watchdog
 from symbiont.proto import codec, mailbox, urls
@@ -64,7 +65,7 @@ GPU_SPIN_US = 200  # a tenant whose data area is on a GPU: a reply takes ~0.2 ms
 SPLIT_BYTES = 64 << 20
 
 
-class LocalTransport(LocalCalls, Transport):
+class LocalTransport(LocalCalls, LocalPrograms, Transport):
     def __init__(self, url: str, name: str):
         super().__init__(url)
         self._channel = ControlChannel(url, urls.control_endpoint(name))
@@ -93,6 +94,9 @@ class LocalTransport(LocalCalls, Transport):
         self._plans: dict[tuple, Plan] = {}  # of the mailbox
         self._failures = 0  # the mailbox's count of failure replies when replies were last taken
         self._id_checks = IdsChecks()  # of the embedding ids sent to a data area on a GPU
+        self._recording: list[bytes] | None = None  # a step program's calls while a capture records them
+        self._recording_box = None  # the mailbox they were recorded on
+        self._program_headers: dict[int, tuple] = {}  # program id -> (its mailbox, its run's request header)
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
         return self._channel.request(request, timeout_s)
@@ -137,7 +141,7 @@ class LocalTransport(LocalCalls, Transport):
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
-        self._plans, self._failures = {}, 0
+        self._plans, self._failures, self._program_headers = {}, 0, {}
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if not (order is not None and order.out_word):  # (a grow whose words could not be mapped)
@@ -256,6 +260,23 @@ class LocalTransport(LocalCalls, Transport):
         return y if take is None else take(y)
 
     def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
+        if self._recording is not None:  # (a capture: nothing may wait on the host)
+            return self._record(unit, op, x, out_shape, out_dtype, latency, take)
+        self._call_checks()
+        if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
+            with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
+                return self._call(unit, op, x, out_shape, out_dtype, latency, take)
+        # from the look at _early() until the call's GPU wait is queued (or its reply taken): a sibling
+        # joining meanwhile either is seen by the look or waits for this call's output word (_join_waiters)
+        self._deciding = True
+        try:
+            return self._call_decided(unit, op, x, out_shape, out_dtype, latency, take)
+        finally:
+            self._deciding = False
+
+    def _call_checks(self) -> None:
+        """Before a call: raises when we are not attached, detached or the executor is gone;
+        finishes an interrupted call, and a join an interrupt cut short."""
         if self._box is None:
             if self._gone:  # (every call after the executor was found gone says so, not only the first)
                 raise ExecutorUnavailableError(self._gone)
@@ -268,16 +289,6 @@ class LocalTransport(LocalCalls, Transport):
             self._finish_outstanding()
         if not self._settled and self._order is not None and self._order.out_word:  # (the attach's join was cut short)
             self._settle()
-        if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
-            with torch.cuda.device(x.device):  # raw stream handles (0: the default stream) are the current device's
-                return self._call(unit, op, x, out_shape, out_dtype, latency, take)
-        # from the look at _early() until the call's GPU wait is queued (or its reply taken): a sibling
-        # joining meanwhile either is seen by the look or waits for this call's output word (_join_waiters)
-        self._deciding = True
-        try:
-            return self._call_decided(unit, op, x, out_shape, out_dtype, latency, take)
-        finally:
-            self._deciding = False
 
     def _call_decided(self, unit, op, x, out_shape, out_dtype, latency, take):
         unanswered, box = self._unanswered, self._box
@@ -441,6 +452,8 @@ class LocalTransport(LocalCalls, Transport):
             raise
 
     def _confirm(self) -> None:
+        if self._recording is not None:  # (within a capture: nothing was sent)
+            return
         if self._gone and self._box is not None:
             self._executor_gone(self._gone)
         if self._outstanding and self._box is not None:  # (its reply is not one of the unanswered)

@@ -41,7 +41,8 @@ class Sent:
     unit: str
     op: int
     out_shape: tuple[int, ...]
-    out_dtype: torch.dtype
+    out_dtype: torch.dtype | None  # (None: a step program's run, whose reply carries no result)
+    program: bool = False  # a step program's run: its release lets the program's waits go too
 
 
 def call_name(unit: str, op: int) -> str:
@@ -166,6 +167,8 @@ class Unanswered:
                 return
             if not reached(word, seq):
                 box.set_output_word(seq)
+            if self.failed[0].program:  # (its graph waits on the program output word, call by call)
+                box.release_program(output=True)
             self.failed.pop(0)
 
     def take(self) -> int:
@@ -245,6 +248,7 @@ class Unanswered:
                 pass
             if box.detached or not executor_alive():
                 box.set_output_word(seq)
+                box.release_program(output=True)  # (a step program's run in flight: its waits go too)
                 return True
             return False
 
@@ -254,3 +258,4 @@ class Unanswered:
         with self.lock:
             if self.box is not None and not reached(self.box.output_word(), seq):
                 self.box.set_output_word(seq)
+                self.box.release_program(output=True)

@@ -42,6 +42,7 @@ class StreamOrder:
         self.seq = 0  # the last input_seq written to the input word (a new mailbox's words start at 0)
         self.stream: int | None = None  # the CUDA stream (cudaStream_t) of the last call
         self._switched: torch.cuda.Event | None = None  # orders a call on another stream after the last
+        self.page: torch.Tensor | None = None  # the words page as an int32 tensor (step programs' kernels)
 
     def map_words(self, box, output_word: bool, url: str) -> None:
         """Lets our GPU write the mailbox's input word and (output_word) wait on its output word;
@@ -130,6 +131,7 @@ class StreamOrder:
             self.region.close()  # synchronises: no queued write of ours touches the words after
         except Exception:  # the executor may be gone; its memory goes with it
             pass
+        self.page = None
         if self.words:
             try:
                 box.unmap_words(self.device)

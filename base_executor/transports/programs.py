@@ -1,0 +1,204 @@
+"""Step programs of same-GPU tenants (`local://NAME`), executor side: the calls of one decoding
+step, defined once, each run as a CUDA graph on the tenant's own stream.
+
+A tenant that replays its decoding step as a CUDA graph (client/step_graphs.py) cannot make its
+calls from its host: its graph writes the mailbox's program input word with each call's number
+(1, 2, ...) once the call's input is in, and waits for the program output word to reach it before
+reading the result. It defines the step's calls once (ControlRequest.program: their headers, in
+order); the data loop captures each call as a graph on the tenant's stream (the CallGraphs of that
+stream). A run is one CallRequest naming the program, ordered with the tenant's other calls by the
+mailbox's two words like any call: our stream waits for its input_seq, then for each call waits for
+its number in the program input word, replays its graph and writes the number to the program
+output word (the input word is set back to 0 after the last wait, the output word by the tenant
+after its last, so the next run counts from 1 again), then writes the output word. After its first
+run the tenant's native lane serves the runs (ServeLane.learn_program: no Python per step). A
+tenant detached or dead mid-run has its program words released with its input word
+(Areas.release_wait).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import torch
+from google.protobuf.message import DecodeError
+
+from symbiont.base_executor.core import CallError
+from symbiont.base_executor.transports.areas import Tenant
+from symbiont.base_executor.transports.call_paths import PROGRAM
+from symbiont.proto import mailbox
+from symbiont.proto.cuda_ipc import stream_wait, stream_write
+from symbiont.proto import executor_pb2 as pb
+
+log = logging.getLogger("base_executor")
+_OK = pb.Status(code=pb.OK)
+MAX_PROGRAM_CALLS = 1024  # calls one step program may hold
+MAX_PROGRAMS = 16  # programs kept per data area; the oldest goes first beyond it
+DEFINE_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(eq=False)
+class Program:
+    graphs: list  # each call's torch.cuda.CUDAGraph, in order
+    calls: list  # the scheduler Calls they compute (their units, ops and tokens: counts)
+    tenant: Tenant
+    header: bytes = b""  # the run request's header once the lane knows it
+
+
+@dataclasses.dataclass(eq=False)
+class ProgramJob:
+    """A definition handed from the control thread to the data loop, which captures it."""
+
+    requests: list
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reply: pb.ControlReply | None = None
+
+
+class LocalPrograms:
+    """Step programs of LocalServer; `self` is the LocalServer."""
+
+    def _define_program(self, t: Tenant, request: pb.ProgramRequest) -> pb.ControlReply:
+        """Control thread: checks a definition, hands it to the data loop and waits for its
+        capture (the tenant's own stream is the data loop's to use)."""
+        from symbiont.base_executor.transports.local_control import control_error
+
+        areas = t.areas
+        if not (self.config.gpu_waits and self.config.graph_tokens and areas.stream is not None and areas.words
+                and areas.out_word):
+            return control_error(pb.INVALID_ARGUMENT, "step programs need a same-GPU tenant whose mailbox words our GPU "
+                                 "waits on, GPU waits and graphs on (serve without --no-gpu-waits, --graph-tokens 0)")
+        if not 0 < len(request.calls) <= MAX_PROGRAM_CALLS:
+            return control_error(pb.INVALID_ARGUMENT, f"a step program holds 1 to {MAX_PROGRAM_CALLS} calls, got {len(request.calls)}")
+        requests = []
+        for i, raw in enumerate(request.calls):
+            try:
+                req = pb.CallRequest.FromString(raw)
+            except DecodeError as e:
+                return control_error(pb.MALFORMED, f"call {i} of the program does not parse as CallRequest: {e}")
+            if req.program or req.call_id or req.input_seq or req.payload:
+                return control_error(pb.INVALID_ARGUMENT, f"call {i} of the program sets program, call_id, input_seq or payload")
+            requests.append(req)
+        job = ProgramJob(requests)
+        with self.lock:
+            if self.tenants.get(t.id) is not t:
+                return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached")
+            areas.program_jobs.append(job)
+        self.wake.ring()
+        if not job.done.wait(DEFINE_TIMEOUT_S):
+            return control_error(pb.UNAVAILABLE, f"the data loop did not take the program within {DEFINE_TIMEOUT_S:.0f} s")
+        return job.reply
+
+    def _capture_programs(self, t: Tenant) -> None:
+        """Data loop, under the lock: captures t's programs handed over (_define_program)."""
+        from symbiont.base_executor.transports.local_control import control_error
+
+        jobs, t.areas.program_jobs = t.areas.program_jobs, []
+        for job in jobs:
+            try:
+                job.reply = self._capture_program(t, job.requests)
+            except CallError as e:
+                job.reply = control_error(e.code, e.message)
+            except Exception as e:  # (its tenant's steps run eagerly: the client falls back)
+                log.exception("capturing a step program of tenant %d failed", t.id)
+                job.reply = control_error(pb.INTERNAL, f"capturing the program failed: {type(e).__name__}: {e}")
+            job.done.set()
+
+    def _capture_program(self, t: Tenant, requests: list) -> pb.ControlReply:
+        areas = t.areas
+        if not areas.warm:
+            raise CallError(pb.INVALID_ARGUMENT, "run the step's calls once before defining its program")
+        if areas.waiting():
+            raise CallError(pb.INVALID_ARGUMENT, "the tenant's calls are still running: define a program once they are done")
+        calls = [self._to_call(t, req) for req in requests]
+        for i, c in enumerate(calls):
+            if c.out is None or c.adapter is not None or c.merge_epoch:
+                raise CallError(pb.INVALID_ARGUMENT, f"call {i} of the program ({c.unit.id}) cannot be in a program "
+                                "(hosted adapters are not yet)")
+        graphs = self._graphs(areas, own=True)
+        exact = self.core.scheduler.config.exact
+        torch.cuda.set_stream(areas.stream)  # (a graph is captured on the stream it is replayed on)
+        try:
+            captured = [graphs.graph_for(c, exact) for c in calls]
+        except ValueError as e:
+            raise CallError(pb.INVALID_ARGUMENT, f"a call of the program cannot be in one: {e}") from None
+        finally:
+            torch.cuda.set_stream(self._stream)
+        if len(areas.programs) >= MAX_PROGRAMS:
+            self._drop_program(areas, next(iter(areas.programs)))
+        pid = areas.next_program
+        areas.next_program += 1
+        areas.programs[pid] = Program(captured, calls, t)
+        log.info("tenant %d: step program %d of %d calls captured", t.id, pid, len(calls))
+        return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
+
+    def _drop_program(self, areas, pid: int) -> None:
+        """Forgets a program (our stream idle: the data loop waits for none of its runs first)."""
+        prog = areas.programs.pop(pid)
+        if prog.header and areas.lane is not None:
+            areas.lane.forget(prog.header)
+        if areas.stream is not None:
+            areas.stream.synchronize()  # (a run still queued replays its graph)
+
+    def _run_program(self, t: Tenant, req: pb.CallRequest, stopping: bool) -> None:
+        """Runs a step program's run request from Python (its first, or one the lane did not
+        take): behind the GPU wait for its input_seq on t's own stream, the program's graph, the
+        output word; then teaches the lane its header."""
+        areas = t.areas
+        prog = areas.programs.get(req.program)
+        if stopping or prog is None or not req.input_seq:
+            self.core.counters.errors += 1
+            why = (CallError(pb.UNAVAILABLE, "executor is shutting down") if stopping else
+                   CallError(pb.INVALID_ARGUMENT, f"no step program {req.program} on this mailbox (never defined, "
+                             "or defined on a mailbox since outgrown)") if prog is None else
+                   CallError(pb.INVALID_ARGUMENT, "a program's run needs an input_seq"))
+            self._reply_error(t, req.call_id, why)
+            return
+        stream = areas.stream
+        s = stream.cuda_stream
+        p_in, p_out = program_words(areas)
+        self._gpu_wait(t, stream, req.input_seq)
+        torch.cuda.set_stream(stream)
+        try:
+            for k, graph in enumerate(prog.graphs, 1):  # (as ServeLane.learn_program's runs)
+                stream_wait(s, p_in, k)
+                if k == len(prog.graphs):
+                    stream_write(s, p_in, 0)  # (the next run's first wait must not pass on this run's last number)
+                graph.replay()
+                stream_write(s, p_out, k)
+        finally:
+            torch.cuda.set_stream(self._stream)
+        stream_write(s, areas.out_word, req.input_seq)
+        reply = pb.CallReply(call_id=req.call_id, status=_OK)
+        self._push(t, reply)
+        t.box.reply_bell.ring()
+        self.paths[PROGRAM] += 1
+        self._count_program(t, prog, 1)
+        if self.config.native_serve and not self._native_failed and not prog.header:
+            lane = self._lane(t, areas.own_graphs)
+            if lane is not None:
+                header = pb.CallRequest()
+                header.CopyFrom(req)
+                header.ClearField("call_id")
+                header.ClearField("input_seq")
+                prog.header = header.SerializeToString()
+                reply.ClearField("call_id")
+                lane.learn_program(prog.header, [int(g.raw_cuda_graph_exec()) for g in prog.graphs], p_in, p_out,
+                                   reply.SerializeToString(), len(areas.lane_units))
+                areas.lane_units.append(prog)
+
+    def _count_program(self, t: Tenant, prog: Program, runs: int) -> None:
+        """Counts `runs` runs of prog: each of its calls as a call of its own."""
+        k = self.core.counters
+        for c in prog.calls:
+            self.core.count(c.unit, c.op, runs, runs, runs * c.tokens, c.latency)
+            k.per_tenant_calls[t.id] += runs
+            k.per_tenant_tokens[t.id] += runs * c.tokens
+        k.graph_replays += runs
+
+
+def program_words(areas) -> tuple[int, int]:
+    """Device addresses of the program input and output words of areas' mailbox (our GPU's mapping)."""
+    page = areas.words - mailbox.INPUT_WORD_IN_PAGE
+    return page + mailbox.PROGRAM_IN_IN_PAGE, page + mailbox.PROGRAM_OUT_IN_PAGE
+

@@ -1,0 +1,235 @@
+"""Decoding steps replayed as CUDA graphs, their executor calls included (`virtualize(...,
+step_graphs=True)`; a same-GPU tenant).
+
+A decoding tenant at batch 1 is bound by its host: every token is some hundred kernel launches
+through PyTorch and transformers, its ~20 calls to the executor among them (benchmarks/RESULTS.md,
+"What S3's goal asks of one tenant"). Here a decoding step (one token a row, a static cache:
+`generate(..., cache_implementation="static")`) is captured once as a CUDA graph, the calls
+recorded into a step program the executor runs as one graph of its own
+(client/transports/local_programs.py), and each later step is one replay: the tenant's host
+copies the step's inputs in, sends one request, and launches one graph.
+
+- **What is captured.** A forward without gradients, of one token a row, whose cache is
+  compileable (transformers' StaticCache) and filled (the prefill ran eagerly), with its position
+  given (`cache_position`, as generate gives it) and at most a 2-D attention mask. The first such
+  step of a shape runs eagerly (it makes the calls' plans and warms the executor's side); the
+  second is captured, and every later one replayed. Anything else runs eagerly, as before.
+- **Inputs.** Each tensor argument is copied into the graph's own buffer before a replay; a 2-D
+  attention mask, whose length grows a token a step, goes into a buffer as long as the cache,
+  zero beyond its end (what transformers pads it to for a static cache anyway).
+- **The cache.** generate makes a new static cache for every call. The graph reads and writes the
+  tensors of the cache it was captured with; a later cache of the same shapes adopts them (its
+  tensors are copied in once, and its layers then hold the graph's), so one capture serves every
+  generate of a shape. A cache that had adopted them before gets copies of its own back first.
+- **Exact.** A replay runs the kernels the eager step ran, on the same inputs: greedy tokens and
+  logits equal the eager tenant's (tests/test_gpu.py).
+- Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
+  cannot be captured (transformers doing host work inside the forward, for instance) runs eagerly
+  from then on, with a warning.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import torch
+
+from symbiont.client.transports.local_programs import StaleProgram
+
+EAGER = ("labels", "inputs_embeds", "output_attentions", "output_hidden_states")  # a step given any of these runs eagerly
+MAX_STEPS = 8  # graphs kept per thread; the oldest goes first beyond it
+
+
+class _Step:
+    """One captured decoding step: its graph, the buffers of its inputs, its output."""
+
+    __slots__ = ("graph", "inputs", "mask", "output", "program", "transport", "cache", "layers", "adopter")
+
+    def __init__(self):
+        self.graph = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.mask: torch.Tensor | None = None
+        self.output = None
+        self.program = 0
+        self.transport = None
+        self.cache = None  # the cache captured with (its layers' tensors are the graph's)
+        self.layers: list[dict[str, torch.Tensor]] = []  # each layer's tensors, as captured
+        self.adopter = None  # weakref of the cache whose layers hold them now
+
+
+class StepGraphs:
+    """The forward of a virtualized model (installed as its `forward`): decoding steps replayed as
+    graphs, everything else eager (the module's docstring)."""
+
+    def __init__(self, forward, transports):
+        self._forward = forward  # the model's own forward (bound)
+        self._transports = transports
+        self._local = threading.local()
+        self._failed: set = set()  # keys whose capture failed: eager from then on
+        self.replays = 0
+        self.captures = 0
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return StepGraphs(copy.deepcopy(self._forward, memo), self._transports)
+
+    def __call__(self, *args, **kwargs):
+        key = self._key(args, kwargs)
+        if key is None or key in self._failed:
+            return self._forward(*args, **kwargs)
+        steps = self._steps()
+        step = steps.get(key)
+        if step is None:  # the first step of its shape: eager (plans, the executor's side warmed)
+            steps[key] = _Step()
+            if len(steps) > MAX_STEPS:
+                del steps[next(iter(steps))]
+            return self._forward(**kwargs)
+        if step.graph is None:
+            try:
+                self._capture(step, kwargs)
+            except Exception as e:  # (eager from now on: nothing was sent)
+                self._failed.add(key)
+                del steps[key]
+                warnings.warn(f"a decoding step could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
+                              "it runs eagerly", RuntimeWarning, stacklevel=2)
+                return self._forward(**kwargs)
+        try:
+            return self._replay(step, kwargs)
+        except StaleProgram:  # (the mailbox grew, or the tenant reattached: captured again next time)
+            del steps[key]
+            return self._forward(**kwargs)
+
+    def _steps(self) -> dict:
+        steps = getattr(self._local, "steps", None)
+        if steps is None:
+            steps = self._local.steps = {}
+        return steps
+
+    def _key(self, args, kwargs):
+        """The shape key of a step that may be replayed, or None (eager)."""
+        if args or torch.is_grad_enabled() or torch.compiler.is_compiling() or len(self._transports) != 1:
+            return None
+        ids, cache, pos = kwargs.get("input_ids"), kwargs.get("past_key_values"), kwargs.get("cache_position")
+        if not (isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
+            return None
+        if not isinstance(pos, torch.Tensor) or not getattr(cache, "is_compileable", False) or not _filled(cache):
+            return None
+        if any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER):
+            return None
+        if torch.cuda.is_current_stream_capturing() or not self._transports[0].programs_possible():
+            return None
+        length = _length(cache)
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(length, int)
+                                     and mask.shape[0] == ids.shape[0] and mask.shape[1] <= length):
+            return None
+        parts = [threading.get_ident(), length, type(cache), _layer_shapes(cache)]
+        for name in sorted(kwargs):
+            v = kwargs[name]
+            if name == "past_key_values":
+                continue
+            if name == "attention_mask" and v is not None:
+                parts.append((name, v.shape[0], v.dtype, v.device))
+            elif isinstance(v, torch.Tensor):
+                parts.append((name, tuple(v.shape), v.dtype, v.device))
+            elif v is None or isinstance(v, (bool, int, float, str)):
+                parts.append((name, v))
+            else:
+                return None
+        return tuple(parts)
+
+    def _capture(self, step: _Step, kwargs) -> None:
+        cache = kwargs["past_key_values"]
+        transport = self._transports[0]
+        fixed = {}
+        for name, v in kwargs.items():
+            if name == "attention_mask" and v is not None:
+                step.mask = torch.zeros((v.shape[0], _length(cache)), dtype=v.dtype, device=v.device)
+                step.mask[:, : v.shape[1]].copy_(v)
+                fixed[name] = step.mask
+            elif isinstance(v, torch.Tensor):
+                step.inputs[name] = fixed[name] = v.clone()
+            else:
+                fixed[name] = v
+        device = kwargs["input_ids"].device
+        torch.cuda.synchronize(device)  # (our calls before it are done: their replies are taken first)
+        transport.begin_program()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                output = self._forward(**fixed)
+                headers = transport.end_program()
+        except BaseException:
+            transport.abort_program()
+            raise
+        step.program = transport.define_program(headers)
+        step.graph, step.output, step.transport, step.cache = graph, output, transport, cache
+        step.layers = [_tensors(layer) for layer in cache.layers]
+        step.adopter = weakref.ref(cache)
+        self.captures += 1
+
+    def _replay(self, step: _Step, kwargs):
+        cache = kwargs["past_key_values"]
+        if step.adopter() is not cache:
+            self._adopt(step, cache)
+        for name, buf in step.inputs.items():
+            buf.copy_(kwargs[name])
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            step.mask[:, mask.shape[1]:].zero_()
+            step.mask[:, : mask.shape[1]].copy_(mask)
+        step.transport.run_program(step.program, step.graph.replay)
+        self.replays += 1
+        out = step.output
+        fresh = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+        fresh["past_key_values"] = cache
+        return type(out)(**fresh)
+
+    @staticmethod
+    def _adopt(step: _Step, cache) -> None:
+        """Makes `cache`'s layers hold the graph's tensors, with cache's contents; the cache that
+        held them before gets copies of its own back."""
+        before = step.adopter()
+        if before is not None:
+            for layer, mine in zip(before.layers, step.layers):
+                for name, t in mine.items():
+                    if getattr(layer, name, None) is t:
+                        setattr(layer, name, t.clone())
+        for layer, mine in zip(cache.layers, step.layers):
+            for name, t in mine.items():
+                theirs = getattr(layer, name)
+                if theirs is not t:
+                    t.copy_(theirs)
+                    setattr(layer, name, t)
+        step.adopter = weakref.ref(cache)
+
+
+def _filled(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(getattr(layer, "is_initialized", False) for layer in layers)
+
+
+def _length(cache) -> int | None:
+    """The static cache's length (max_cache_len), or None."""
+    length = getattr(cache.layers[0], "max_cache_len", None)
+    return length if isinstance(length, int) else None
+
+
+def _tensors(layer) -> dict[str, torch.Tensor]:
+    return {name: v for name, v in vars(layer).items() if isinstance(v, torch.Tensor)}
+
+
+def _layer_shapes(cache) -> tuple:
+    """What a cache must share with the one a graph was captured with (the first layer's tensors,
+    the number of layers: a model's layers are alike)."""
+    first = cache.layers[0]
+    return len(cache.layers), tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in sorted(_tensors(first).items()))
+
+
+def install(root: torch.nn.Module, transports) -> StepGraphs:
+    """Makes root's forward a StepGraphs over its own forward."""
+    graphs = StepGraphs(root.forward, transports)
+    root.forward = graphs
+    return graphs

@@ -1,0 +1,136 @@
+"""Step programs of the same-host transport (`local://NAME`), tenant side: the calls of a step
+that client/step_graphs.py captures as one CUDA graph, recorded as the capture runs, defined at the
+executor once, and run there each time the graph is replayed (base_executor/transports/programs.py
+says how the executor runs them; docs/gpu.md, "Step programs").
+
+While a capture records (begin_program .. end_program), a call makes no request: it queues, on the
+capturing stream, the copy of its input into the mailbox, the write of its number (1, 2, ...) to
+the mailbox's program input word and a wait for the program output word to reach it (one-thread
+kernels: client/transports/graph_words.py), then the copy of its result out; its request's header
+is kept in order. end_program queues the output word's reset to 0 (the next replay counts from 1
+again). A run (run_program) is one call whose request
+names the program: our stream writes its input_seq to the mailbox's input word, the step's graph
+is replayed, and our stream waits for the output word, as for any call; its reply is taken later.
+A mixin of LocalTransport (client/transports/local.py), which owns the mailbox and the replies.
+"""
+from __future__ import annotations
+
+import torch
+
+from symbiont.client.errors import InternalError, InvalidCallError
+from symbiont.client.transports.local_calls import TAKE_EVERY
+from symbiont.client.transports.unanswered import Sent, previous_seq
+from symbiont.proto import executor_pb2 as pb
+from symbiont.proto import mailbox
+from symbiont.client.transports import graph_words
+from symbiont.proto.cuda_ipc import as_tensor, copy_async
+
+class StaleProgram(Exception):
+    """The mailbox a program was defined on is gone (grown, or the tenant reattached): capture it again."""
+
+
+class LocalPrograms:
+    """Step programs of LocalTransport; `self` is the LocalTransport."""
+
+    def programs_possible(self) -> bool:
+        """Whether this transport's calls can be recorded into a step program now: a same-GPU
+        mailbox whose words our GPU writes and waits on, its native call path, and calls that
+        return before their replies (one tenant of this executor in the process)."""
+        order = self._order
+        return (self._box is not None and order is not None and bool(order.out_word) and not order.peer
+                and self._lane is not None and self.native_calls and self._early())
+
+    def begin_program(self) -> None:
+        """Starts recording the calls made (on a capturing stream) into a program. Every earlier
+        call is answered first; the caller has synchronised our GPU."""
+        with self._lock:
+            if not self.programs_possible():
+                raise InvalidCallError(f"{self.url}: this tenant's calls cannot be recorded into a step program")
+            self._confirm()
+            graph_words.warm(self._words_page(), mailbox.PROGRAM_IN_IN_PAGE // 4)  # (nothing runs a program now)
+            self._recording = []
+            self._recording_box = self._box
+
+    def end_program(self) -> list[bytes]:
+        """Ends the recording: queues on the current stream (still capturing) the output word's reset;
+        returns the recorded calls' headers, in order."""
+        with self._lock:
+            calls, self._recording = self._recording, None
+            if calls:
+                graph_words.write(self._words_page(), mailbox.PROGRAM_OUT_IN_PAGE // 4, 0)
+            return calls
+
+    def abort_program(self) -> None:
+        with self._lock:
+            self._recording = None
+
+    def define_program(self, headers: list[bytes]) -> int:
+        """Defines a recorded program at the executor (which captures its side); its id."""
+        if self._box is not self._recording_box:
+            raise StaleProgram("the mailbox changed while the program was recorded")
+        reply = self.control("program", pb.ProgramRequest(calls=headers))
+        pid = reply.program.id
+        self._program_headers[pid] = (self._box, pb.CallRequest(program=pid, latency=pb.INFERENCE).SerializeToString())
+        return pid
+
+    def run_program(self, pid: int, replay) -> None:
+        """Runs program `pid`: its request, then replay() (the step's graph, on the current
+        stream), then our stream's wait for the run's output word. Raises StaleProgram when the
+        program's mailbox is gone; an earlier call's failure as a call would."""
+        with self._lock:
+            box, header = self._program_headers.get(pid, (None, b""))
+            if box is None or box is not self._box or self._gone or box.detached:
+                if self._box is not None and (self._gone or self._box.detached):
+                    self._call_checks()
+                raise StaleProgram(f"program {pid} was defined on a mailbox since replaced")
+            self._call_checks()
+            if not self.programs_possible():
+                raise StaleProgram("this tenant's calls can no longer run as a program (another tenant of the process joined)")
+            failures = box.failures()
+            unanswered = self._unanswered
+            if failures != self._failures or unanswered.failure is not None or unanswered.failed:
+                self._failures = failures
+                self._collect()
+            order, lane = self._order, self._lane
+            stream = order.current_stream()
+            if stream != order.stream:
+                order.follow(stream)
+            call_id = next(self._ids)
+            seq = order.seq = order.seq % 0xFFFFFFFF + 1
+            unanswered.add(Sent(call_id, seq, f"step program {pid}", pb.FORWARD, (), None, program=True))
+            rc = lane.send(0, 0, stream, header, call_id, seq, False)
+            if rc < 0:
+                unanswered.forget(call_id)
+                order.seq = previous_seq(seq)
+                raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+            try:
+                replay()
+            finally:  # (a replay that raised: the run's waits are released by its failure or by the executor's)
+                order.wait_result(stream, seq)
+            if len(unanswered) >= TAKE_EVERY:
+                self._collect()
+
+    def _record(self, unit, op, x: torch.Tensor, out_shape, out_dtype, latency, take):
+        """A call made while a program records (see the module)."""
+        key = (unit, op, x.shape, x.dtype, latency, out_shape, out_dtype)
+        plan = self._plans.get(key)
+        if plan is None or x.device != self._order.device:
+            raise InvalidCallError(f"{unit}: a call a step program records must have been made the same way "
+                                   "before (its plan is made outside the capture)")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        stream = self._order.current_stream()
+        k = len(self._recording) + 1
+        page = self._words_page()
+        copy_async(self._order.region.ptr, x.data_ptr(), plan.in_nbytes, stream, self._order.device)
+        graph_words.write(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k)
+        graph_words.wait(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k)
+        self._recording.append(plan.header)
+        return plan.out.clone() if take is None else take(plan.out)
+
+    def _words_page(self) -> torch.Tensor:
+        """The mailbox's words page as our GPU maps it: an int32 CUDA tensor (kept per mailbox)."""
+        order = self._order
+        if order.page is None:
+            order.page = as_tensor(order.words - mailbox.INPUT_WORD_IN_PAGE, mailbox.WORDS_PAGE[1], order.device).view(torch.int32)
+        return order.page
