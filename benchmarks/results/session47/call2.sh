@@ -4,7 +4,7 @@
 # native lane and graphs.py changes touch, call 1's failure twice more; then S3 N = 16, eager tenants against
 # step-graphed tenants, beside 16 processes
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt; nproc >> $OUT/gpu.txt
-timeout -s INT 120 python3 benchmarks/probes/graphed_step.py --model llama-1b --json $OUT/graphed_step.json > $OUT/graphed_step.txt 2>&1; echo rc=$? >> $OUT/graphed_step.txt
+timeout -s INT 120 python3 benchmarks/probes/graphed_step.py --model llama-1b > $OUT/graphed_step.txt 2>&1; echo rc=$? >> $OUT/graphed_step.txt
 timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 100 -rfE --tb=short --durations=0 \
   -k "step_graphs or native_call_path or graph_replays_equal or call_taken_before" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt
 timeout -s INT 60 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 50 -rfE --tb=long \
