@@ -255,8 +255,13 @@ def infer_figures(results: list[dict]) -> dict:
         rates.append(tokens / (runs[-1][-1] - r["start"]))
         for run in runs:
             gaps += [b - a for a, b in zip(run[1:-1], run[2:])]
-    return {"tokens_per_s": sum(rates), "itl_p50_ms": 1e3 * pct(gaps, 0.5), "itl_p99_ms": 1e3 * pct(gaps, 0.99),
-            "runs": sum(len(r["runs"]) for r in results)}
+    out = {"tokens_per_s": sum(rates), "itl_p50_ms": 1e3 * pct(gaps, 0.5), "itl_p99_ms": 1e3 * pct(gaps, 0.99),
+           "runs": sum(len(r["runs"]) for r in results)}
+    graphed = [r["step_graphs"] for r in results if "step_graphs" in r]  # (fleet_worker --step-graphs)
+    if graphed:
+        out["step_graphs"] = {"captures": sum(g["captures"] for g in graphed), "replays": sum(g["replays"] for g in graphed),
+                              "failures": sorted({f for g in graphed for f in g["failures"]})[:3]}
+    return out
 
 
 def executor_stats(url: str) -> dict:

@@ -407,6 +407,9 @@ def main() -> int:
     if "cuda" in a.device:
         out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)
         out["max_reserved"] = torch.cuda.max_memory_reserved(a.device)
+    if a.step_graphs:  # (client/step_graphs.py: how its steps went)
+        steps = model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+        out["step_graphs"] = {"captures": steps.captures, "replays": steps.replays, "failures": steps.failures[:2]}
     out.update(role=a.role, mode=a.mode, index=a.index)
     print("result " + json.dumps(out), flush=True)
     if conn is not None:

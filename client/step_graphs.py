@@ -23,9 +23,13 @@ copies the step's inputs in, sends one request, and launches one graph.
   generate of a shape. A cache that had adopted them before gets copies of its own back first.
 - **Exact.** A replay runs the kernels the eager step ran, on the same inputs: greedy tokens and
   logits equal the eager tenant's (tests/test_gpu.py).
+- **Host data.** A tensor made on the GPU from host data inside the forward (transformers' eager
+  attention makes its mask's zero with `torch.tensor(0.0, device=...)`) is copied from a
+  page-locked copy while capturing (a graph may copy only from page-locked memory), kept as long
+  as the graph.
 - Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
-  cannot be captured (transformers doing host work inside the forward, for instance) runs eagerly
-  from then on, with a warning.
+  cannot be captured (transformers reading a GPU value on the host inside the forward, for
+  instance) runs eagerly from then on, with a warning; `failures` keeps why.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import warnings
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from symbiont.client.transports.local_programs import StaleProgram
 
@@ -44,7 +49,7 @@ MAX_STEPS = 8  # graphs kept per thread; the oldest goes first beyond it
 class _Step:
     """One captured decoding step: its graph, the buffers of its inputs, its output."""
 
-    __slots__ = ("graph", "inputs", "mask", "output", "program", "transport", "cache", "layers", "adopter")
+    __slots__ = ("graph", "inputs", "mask", "output", "program", "transport", "cache", "layers", "adopter", "host")
 
     def __init__(self):
         self.graph = None
@@ -56,6 +61,7 @@ class _Step:
         self.cache = None  # the cache captured with (its layers' tensors are the graph's)
         self.layers: list[dict[str, torch.Tensor]] = []  # each layer's tensors, as captured
         self.adopter = None  # weakref of the cache whose layers hold them now
+        self.host: list[torch.Tensor] = []  # page-locked host tensors the graph copies from
 
 
 class StepGraphs:
@@ -69,6 +75,7 @@ class StepGraphs:
         self._failed: set = set()  # keys whose capture failed: eager from then on
         self.replays = 0
         self.captures = 0
+        self.failures: list[str] = []  # why captures failed (each such step shape runs eagerly)
 
     def __deepcopy__(self, memo):
         import copy
@@ -92,6 +99,7 @@ class StepGraphs:
             except Exception as e:  # (eager from now on: nothing was sent)
                 self._failed.add(key)
                 del steps[key]
+                self.failures.append(f"{type(e).__name__}: {e}")
                 warnings.warn(f"a decoding step could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
                               "it runs eagerly", RuntimeWarning, stacklevel=2)
                 return self._forward(**kwargs)
@@ -158,7 +166,7 @@ class StepGraphs:
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), _PinnedHostData(step.host):
                 output = self._forward(**fixed)
                 headers = transport.end_program()
         except BaseException:
@@ -204,6 +212,23 @@ class StepGraphs:
                     t.copy_(theirs)
                     setattr(layer, name, t)
         step.adopter = weakref.ref(cache)
+
+
+class _PinnedHostData(TorchFunctionMode):
+    """While capturing: torch.tensor(data, device=<a GPU>) made from a page-locked copy of the data
+    (kept in `keep`), whose copy a graph may hold; the same values."""
+
+    def __init__(self, keep: list):
+        super().__init__()
+        self.keep = keep
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            host = torch.tensor(*args, **{**kwargs, "device": "cpu"}).pin_memory()
+            self.keep.append(host)
+            return host.to(kwargs["device"], non_blocking=True)
+        return func(*args, **kwargs)
 
 
 def _filled(cache) -> bool:
