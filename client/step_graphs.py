@@ -10,13 +10,14 @@ recorded into a step program the executor runs as one graph of its own
 copies the step's inputs in, sends one request, and launches one graph.
 
 - **What is captured.** A forward without gradients, of one token a row, whose cache is
-  compileable (transformers' StaticCache) and filled (the prefill ran eagerly), with its position
-  given (`cache_position`, as generate gives it) and at most a 2-D attention mask. The first such
+  transformers' StaticCache of full-attention layers only (a sliding window's layer keeps its
+  length on the host), filled (the prefill ran eagerly), and at most a 2-D or 4-D attention mask. The first such
   step of a shape runs eagerly (it makes the calls' plans and warms the executor's side); the
   second is captured, and every later one replayed. Anything else runs eagerly, as before.
 - **Inputs.** Each tensor argument is copied into the graph's own buffer before a replay; a 2-D
   attention mask, whose length grows a token a step, goes into a buffer as long as the cache,
-  zero beyond its end (what transformers pads it to for a static cache anyway).
+  zero beyond its end (what transformers pads it to for a static cache anyway). The forward keeps
+  the model's signature (generate reads it to choose what to pass).
 - **The cache.** generate makes a new static cache for every call. The graph reads and writes the
   tensors of the cache it was captured with; a later cache of the same shapes adopts them (its
   tensors are copied in once, and its layers then hold the graph's), so one capture serves every
@@ -33,6 +34,7 @@ copies the step's inputs in, sends one request, and launches one graph.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 import weakref
@@ -70,6 +72,8 @@ class StepGraphs:
 
     def __init__(self, forward, transports):
         self._forward = forward  # the model's own forward (bound)
+        self.__signature__ = inspect.signature(forward)  # (generate inspects it: logits_to_keep, cache_position, ...)
+        self.__wrapped__ = forward
         self._transports = transports
         self._local = threading.local()
         self._failed: set = set()  # keys whose capture failed: eager from then on
@@ -119,10 +123,10 @@ class StepGraphs:
         """The shape key of a step that may be replayed, or None (eager)."""
         if args or torch.is_grad_enabled() or torch.compiler.is_compiling() or len(self._transports) != 1:
             return None
-        ids, cache, pos = kwargs.get("input_ids"), kwargs.get("past_key_values"), kwargs.get("cache_position")
+        ids, cache = kwargs.get("input_ids"), _cache(kwargs)
         if not (isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None
-        if not isinstance(pos, torch.Tensor) or not getattr(cache, "is_compileable", False) or not _filled(cache):
+        if not _static(cache):
             return None
         if any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER):
             return None
@@ -130,15 +134,17 @@ class StepGraphs:
             return None
         length = _length(cache)
         mask = kwargs.get("attention_mask")
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(length, int)
-                                     and mask.shape[0] == ids.shape[0] and mask.shape[1] <= length):
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape[0] == ids.shape[0] and (
+                (mask.dim() == 2 and mask.shape[1] <= length) or (mask.dim() == 4 and mask.shape[-1] == length))):
             return None
-        parts = [threading.get_ident(), length, type(cache), _layer_shapes(cache)]
+        module = getattr(self._forward, "__self__", None)
+        parts = [threading.get_ident(), length, type(cache), _layer_shapes(cache), torch.is_inference_mode_enabled(),
+                 getattr(module, "training", None)]
         for name in sorted(kwargs):
             v = kwargs[name]
-            if name == "past_key_values":
+            if name in CACHE_NAMES:
                 continue
-            if name == "attention_mask" and v is not None:
+            if name == "attention_mask" and v is not None and v.dim() == 2:
                 parts.append((name, v.shape[0], v.dtype, v.device))
             elif isinstance(v, torch.Tensor):
                 parts.append((name, tuple(v.shape), v.dtype, v.device))
@@ -149,11 +155,11 @@ class StepGraphs:
         return tuple(parts)
 
     def _capture(self, step: _Step, kwargs) -> None:
-        cache = kwargs["past_key_values"]
+        cache = _cache(kwargs)
         transport = self._transports[0]
         fixed = {}
         for name, v in kwargs.items():
-            if name == "attention_mask" and v is not None:
+            if name == "attention_mask" and v is not None and v.dim() == 2:
                 step.mask = torch.zeros((v.shape[0], _length(cache)), dtype=v.dtype, device=v.device)
                 step.mask[:, : v.shape[1]].copy_(v)
                 fixed[name] = step.mask
@@ -179,20 +185,22 @@ class StepGraphs:
         self.captures += 1
 
     def _replay(self, step: _Step, kwargs):
-        cache = kwargs["past_key_values"]
+        cache = _cache(kwargs)
         if step.adopter() is not cache:
             self._adopt(step, cache)
         for name, buf in step.inputs.items():
             buf.copy_(kwargs[name])
         mask = kwargs.get("attention_mask")
-        if mask is not None:
+        if mask is not None and step.mask is not None:
             step.mask[:, mask.shape[1]:].zero_()
             step.mask[:, : mask.shape[1]].copy_(mask)
         step.transport.run_program(step.program, step.graph.replay)
         self.replays += 1
         out = step.output
         fresh = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-        fresh["past_key_values"] = cache
+        for name in CACHE_NAMES:
+            if name in fresh:
+                fresh[name] = cache
         return type(out)(**fresh)
 
     @staticmethod
@@ -231,9 +239,21 @@ class _PinnedHostData(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _filled(cache) -> bool:
+CACHE_NAMES = ("past_key_values", "cache")  # (the cache's argument and output field: transformers renamed it)
+
+
+def _cache(kwargs):
+    return next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+
+
+def _static(cache) -> bool:
+    """Whether cache is a filled static cache whose layers keep all their state in GPU tensors
+    (transformers' StaticLayer exactly: a sliding-window layer counts its length on the host)."""
+    from transformers.cache_utils import StaticLayer
+
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(getattr(layer, "is_initialized", False) for layer in layers)
+    return (bool(layers) and getattr(cache, "is_compileable", False)
+            and all(type(layer) is StaticLayer and layer.is_initialized for layer in layers))
 
 
 def _length(cache) -> int | None:

@@ -157,6 +157,9 @@ class Mailbox:
         call's, or any once the executor is gone)."""
         self._set_word(OUTPUT_WORD_OFFSET, value)
 
+    def program_output_word(self) -> int:
+        return self._word(PROGRAM_OUT_OFFSET)
+
     def release_program(self, output: bool) -> None:
         """Lets every GPU wait of a step program's run pass: the executor's waits for the inputs
         (its tenant detached or dead), or (output) the tenant's waits for the results (the run

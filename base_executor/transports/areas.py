@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -208,6 +209,9 @@ class AreaPool:
                 from symbiont.proto.cuda_ipc import drop_stream
 
                 areas.release_wait()  # (its tenant is detached)
+                while areas.programs and not areas.stream.query():  # (each queued run sets the program word back)
+                    areas.box.release_program(output=False)
+                    time.sleep(1e-4)
                 areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
                 torch.cuda.current_stream(self.device).synchronize()  # a result's word write may be queued there
                 drop_stream(self.device, areas.stream)

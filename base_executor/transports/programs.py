@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 from google.protobuf.message import DecodeError
@@ -34,7 +35,7 @@ from symbiont.proto import executor_pb2 as pb
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)
 MAX_PROGRAM_CALLS = 1024  # calls one step program may hold
-MAX_PROGRAMS = 16  # programs kept per data area; the oldest goes first beyond it
+MAX_PROGRAMS = 64  # programs kept per data area; the oldest goes first beyond it (a tenant keeps 8 steps a thread)
 DEFINE_TIMEOUT_S = 60.0
 
 
@@ -85,8 +86,11 @@ class LocalPrograms:
                 return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached")
             areas.program_jobs.append(job)
         self.wake.ring()
-        if not job.done.wait(DEFINE_TIMEOUT_S):
-            return control_error(pb.UNAVAILABLE, f"the data loop did not take the program within {DEFINE_TIMEOUT_S:.0f} s")
+        deadline = time.monotonic() + DEFINE_TIMEOUT_S
+        while not job.done.wait(0.1):  # (detached meanwhile: _reclaim answers it; stopping: nobody will)
+            if self.stopping.is_set() or time.monotonic() > deadline:
+                return control_error(pb.UNAVAILABLE, "the executor is stopping" if self.stopping.is_set() else
+                                     f"the data loop did not take the program within {DEFINE_TIMEOUT_S:.0f} s")
         return job.reply
 
     def _capture_programs(self, t: Tenant) -> None:
@@ -181,11 +185,16 @@ class LocalPrograms:
                 header.CopyFrom(req)
                 header.ClearField("call_id")
                 header.ClearField("input_seq")
-                prog.header = header.SerializeToString()
                 reply.ClearField("call_id")
-                lane.learn_program(prog.header, [int(g.raw_cuda_graph_exec()) for g in prog.graphs], p_in, p_out,
-                                   reply.SerializeToString(), len(areas.lane_units))
-                areas.lane_units.append(prog)
+                try:
+                    lane.learn_program(header.SerializeToString(), [int(g.raw_cuda_graph_exec()) for g in prog.graphs],
+                                       p_in, p_out, reply.SerializeToString(), len(areas.lane_units))
+                except Exception as e:  # (its runs are served from Python, as every call's are then)
+                    self._native_failed = True
+                    log.warning("native serving off: teaching a lane a step program failed (%s: %s)", type(e).__name__, e)
+                else:
+                    prog.header = header.SerializeToString()
+                    areas.lane_units.append(prog)
 
     def _count_program(self, t: Tenant, prog: Program, runs: int) -> None:
         """Counts `runs` runs of prog: each of its calls as a call of its own."""
@@ -194,7 +203,7 @@ class LocalPrograms:
             self.core.count(c.unit, c.op, runs, runs, runs * c.tokens, c.latency)
             k.per_tenant_calls[t.id] += runs
             k.per_tenant_tokens[t.id] += runs * c.tokens
-        k.graph_replays += runs
+        k.graph_replays += runs * len(prog.calls)
 
 
 def program_words(areas) -> tuple[int, int]:

@@ -96,6 +96,8 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
         self._id_checks = IdsChecks()  # of the embedding ids sent to a data area on a GPU
         self._recording: list[bytes] | None = None  # a step program's calls while a capture records them
         self._recording_box = None  # the mailbox they were recorded on
+        self._recorder = 0  # the thread whose calls are recorded (another thread's calls go as ever)
+        self._programs_broken = False  # a step's replay failed mid-run: no step programs on this transport any more
         self._program_headers: dict[int, tuple] = {}  # program id -> (its mailbox, its run's request header)
 
     def _control(self, request: pb.ControlRequest, timeout_s: float) -> pb.ControlReply:
@@ -260,7 +262,7 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
         return y if take is None else take(y)
 
     def _call(self, unit, op, x, out_shape, out_dtype, latency, take=None):
-        if self._recording is not None:  # (a capture: nothing may wait on the host)
+        if self._recording is not None and threading.get_ident() == self._recorder:  # (a capture: nothing may wait on the host)
             return self._record(unit, op, x, out_shape, out_dtype, latency, take)
         self._call_checks()
         if self._order is not None and x.device == self._order.device and torch._C._cuda_getDevice() != x.device.index:
@@ -452,7 +454,7 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
             raise
 
     def _confirm(self) -> None:
-        if self._recording is not None:  # (within a capture: nothing was sent)
+        if self._recording is not None and threading.get_ident() == self._recorder:  # (within a capture: nothing was sent)
             return
         if self._gone and self._box is not None:
             self._executor_gone(self._gone)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+import threading
+
 from symbiont.client.errors import InternalError, InvalidCallError
 from symbiont.client.transports.local_calls import TAKE_EVERY
 from symbiont.client.transports.unanswered import Sent, previous_seq
@@ -38,6 +40,7 @@ class LocalPrograms:
         return before their replies (one tenant of this executor in the process)."""
         order = self._order
         return (self._box is not None and order is not None and bool(order.out_word) and not order.peer
+                and not self._programs_broken
                 and self._lane is not None and self.native_calls and self._early())
 
     def begin_program(self) -> None:
@@ -48,8 +51,7 @@ class LocalPrograms:
                 raise InvalidCallError(f"{self.url}: this tenant's calls cannot be recorded into a step program")
             self._confirm()
             graph_words.warm(self._words_page(), mailbox.PROGRAM_IN_IN_PAGE // 4)  # (nothing runs a program now)
-            self._recording = []
-            self._recording_box = self._box
+            self._recording, self._recording_box, self._recorder = [], self._box, threading.get_ident()
 
     def end_program(self) -> list[bytes]:
         """Ends the recording: queues on the current stream (still capturing) the output word's reset;
@@ -96,17 +98,37 @@ class LocalPrograms:
             if stream != order.stream:
                 order.follow(stream)
             call_id = next(self._ids)
-            seq = order.seq = order.seq % 0xFFFFFFFF + 1
-            unanswered.add(Sent(call_id, seq, f"step program {pid}", pb.FORWARD, (), None, program=True))
-            rc = lane.send(0, 0, stream, header, call_id, seq, False)
-            if rc < 0:
-                unanswered.forget(call_id)
-                order.seq = previous_seq(seq)
-                raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+            # (as a call's: from the look at _early() until its GPU wait is queued, a joining sibling waits for it)
+            self._deciding = True
             try:
-                replay()
-            finally:  # (a replay that raised: the run's waits are released by its failure or by the executor's)
-                order.wait_result(stream, seq)
+                seq = order.seq = order.seq % 0xFFFFFFFF + 1
+                unanswered.add(Sent(call_id, seq, f"step program {pid}", pb.FORWARD, (), None, program=True))
+                try:
+                    rc = lane.send(0, 0, stream, header, call_id, seq, False)
+                except BaseException:  # (the copy or the word failed: nothing went)
+                    if lane.pushed != seq:
+                        unanswered.forget(call_id)
+                        self._release_failed(call_id, seq)
+                    raise
+                if rc == -1:  # (nothing was done)
+                    unanswered.forget(call_id)
+                    order.seq = previous_seq(seq)
+                    raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+                if rc == -2:  # (the input word went, the request did not: nobody answers it)
+                    unanswered.forget(call_id)
+                    self._release_failed(call_id, seq)
+                    raise InternalError("the step program's run could not be pushed to the request ring")
+                try:
+                    replay()
+                except BaseException:  # (the executor's side of this run waits for our graph's words: let it go)
+                    box.release_program(output=False)
+                    self._program_headers.clear()  # (its output word is left at the run's last number: no more runs)
+                    self._programs_broken = True
+                    raise
+                finally:
+                    order.wait_result(stream, seq)
+            finally:
+                self._deciding = False
             if len(unanswered) >= TAKE_EVERY:
                 self._collect()
 

@@ -165,6 +165,8 @@ class Unanswered:
             word = box.output_word()
             if not reached(word, previous_seq(seq)):
                 return
+            if self.failed[0].program and box.program_output_word() != 0:  # (an earlier run's graph sets it back to 0 last)
+                return
             if not reached(word, seq):
                 box.set_output_word(seq)
             if self.failed[0].program:  # (its graph waits on the program output word, call by call)
@@ -254,8 +256,9 @@ class Unanswered:
 
     def release_every(self, seq: int) -> None:
         """Writes `seq` to the output word unless it has reached it (no result comes for the
-        calls up to it)."""
+        calls up to it), and lets step programs' runs go."""
         with self.lock:
             if self.box is not None and not reached(self.box.output_word(), seq):
                 self.box.set_output_word(seq)
+            if self.box is not None:  # (every time: each step program's run queued sets its word back to 0)
                 self.box.release_program(output=True)

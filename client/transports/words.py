@@ -166,4 +166,7 @@ def _watch(ref) -> None:
         order = t._order
         if order is not None and order.out_word and t._unanswered.watch(order.seq, t._executor_alive, order):
             t._gone = f"the executor at {t.url} (pid {t._executor_pid}) is gone, or detached this tenant"
+        box = t._box
+        if t._gone and t._program_headers and box is not None:  # (each step program's run queued sets its word back)
+            box.release_program(output=True)
         del t, order
