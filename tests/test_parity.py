@@ -35,6 +35,24 @@ def test_greedy_generate_identical(executor_for, name):
     assert torch.equal(a, b)
 
 
+def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor):
+    """virtualize(step_graphs=True) on a tenant whose tensors are on the CPU: its forward keeps the
+    model's signature (generate reads it: logits_to_keep, the mask it builds), every step runs
+    eagerly (no CUDA graph off a GPU), and greedy decoding with a static cache gives the unsplit
+    model's tokens."""
+    import inspect
+
+    ref = build_builtin("tiny-llama")
+    plain = build_builtin("tiny-llama")
+    virt = virtualize(build_builtin("tiny-llama"), executor.url, step_graphs=True)
+    steps = virt.forward
+    assert inspect.signature(steps) == inspect.signature(plain.forward)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True)
+    for prompt in (ids(1, 6, seed=3), ids(1, 9, seed=4)):
+        assert torch.equal(virt.generate(prompt, **kw), ref.generate(prompt, **kw))
+    assert steps.captures == 0 and steps.replays == 0 and not steps.failures
+
+
 @pytest.mark.parametrize("order", ["after_peft", "before_peft"])
 @pytest.mark.parametrize("name", ARCHS)
 def test_lora_gradients_match(executor_for, name, order):
