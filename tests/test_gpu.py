@@ -1128,3 +1128,31 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
         paths = dict(conn.stats().call_paths)
         assert paths.get("step program", 0) >= 1 and paths.get("native lane", 0) >= steps.replays - paths["step program"], paths
         conn.close()
+
+
+def test_step_graphs_with_a_hosted_adapter_decode_as_the_eager_tenant_does():
+    """A same-GPU tenant whose adapter the executor hosts, its decoding steps replayed as CUDA
+    graphs with their calls (the adapter's among them) as step programs: greedy tokens and scores
+    bitwise those of the same tenant decoding eagerly, over two generate calls; the unsplit LoRA
+    model's tokens."""
+    from symbiont import connect
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        conn = connect(ex.url)
+        ref = lora_model("tiny-llama", base=build_builtin("tiny-llama").cuda())
+        conn.host_adapter("mine", lora_model("tiny-llama"), device="cuda:0")
+        eager = virtualize(build_builtin("tiny-llama").cuda(), conn, adapter="mine")
+        graphed = virtualize(build_builtin("tiny-llama").cuda(), conn, adapter="mine", step_graphs=True)
+        kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
+                  output_scores=True, return_dict_in_generate=True)
+        for prompt in (ids(1, 13).cuda(), ids(1, 13, seed=5).cuda()):
+            want = eager.generate(prompt, **kw)
+            got = graphed.generate(prompt, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            for a, b in zip(got.scores, want.scores):
+                assert torch.equal(a, b)
+            assert torch.equal(ref.generate(prompt, **kw).sequences, got.sequences)
+        steps = graphed.forward
+        assert steps.captures == 1 and steps.replays >= 2 * 10, (steps.captures, steps.replays, steps.failures)
+        conn.close()

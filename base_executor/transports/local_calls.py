@@ -228,6 +228,7 @@ class LocalCalls:
                     graphs.forget(picked)  # (on_drop unlearns the lane's header of each)
             for key in [k for k in t.areas.lane_keys if picked(k)]:
                 self._unlearn(t.areas, key)
+            self._drop_programs(t.areas, picked)
 
     def _sync_gpu(self) -> None:
         """Waits for all our GPU work (a merge switch or an eviction: no queued replay may read what goes)."""
@@ -238,10 +239,13 @@ class LocalCalls:
         """The lanes that may name `adapter` (removed: its owner's, every tenant's for the
         provider's) forget the calls naming it: they go to Python again, which refuses them (caller
         holds the lock)."""
+        def naming(k) -> bool:
+            return isinstance(k, tuple) and bool(k) and ((k[0] is ADAPTED and k[1] == adapter) or (k[0] is MERGED and k[2] == adapter))
+
         for t in self.tenants.values() if owner == PROVIDER else filter(None, [self.tenants.get(owner)]):
-            for key in [k for k in t.areas.lane_keys
-                        if (k[0] is ADAPTED and k[1] == adapter) or (k[0] is MERGED and k[2] == adapter)]:
+            for key in [k for k in t.areas.lane_keys if naming(k)]:
                 self._unlearn(t.areas, key)
+            self._drop_programs(t.areas, naming)
 
     def _serve_lane(self, t: Tenant) -> int:
         """Serves the calls at the front of t's ring that its lane knows; how many."""

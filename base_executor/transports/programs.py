@@ -116,9 +116,9 @@ class LocalPrograms:
             raise CallError(pb.INVALID_ARGUMENT, "the tenant's calls are still running: define a program once they are done")
         calls = [self._to_call(t, req) for req in requests]
         for i, c in enumerate(calls):
-            if c.out is None or c.adapter is not None or c.merge_epoch:
+            if c.out is None or c.merge_epoch:
                 raise CallError(pb.INVALID_ARGUMENT, f"call {i} of the program ({c.unit.id}) cannot be in a program "
-                                "(hosted adapters are not yet)")
+                                "(a merged adapter's copy: not yet)")
         graphs = self._graphs(areas, own=True)
         exact = self.core.scheduler.config.exact
         torch.cuda.set_stream(areas.stream)  # (a graph is captured on the stream it is replayed on)
@@ -135,6 +135,13 @@ class LocalPrograms:
         areas.programs[pid] = Program(captured, calls, t)
         log.info("tenant %d: step program %d of %d calls captured", t.id, pid, len(calls))
         return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
+
+    def _drop_programs(self, areas, stale) -> None:
+        """Drops areas' programs holding a call whose graph key stale(key) picks (a hosted adapter
+        evicted, switched or removed): the tenant's next run of one is refused, and its step
+        raises InvalidCallError at its end."""
+        for pid in [pid for pid, prog in areas.programs.items() if any(stale(c.graph_key) for c in prog.calls)]:
+            self._drop_program(areas, pid)
 
     def _drop_program(self, areas, pid: int) -> None:
         """Forgets a program (our stream idle: the data loop waits for none of its runs first)."""
@@ -203,6 +210,9 @@ class LocalPrograms:
             self.core.count(c.unit, c.op, runs, runs, runs * c.tokens, c.latency)
             k.per_tenant_calls[t.id] += runs
             k.per_tenant_tokens[t.id] += runs * c.tokens
+            if c.adapter_id:  # (a hosted adapter in a program: hits, and recent)
+                self.core.count_adapter(c.adapter_id, runs, runs * c.tokens, False)
+                self.core.adapters.touch(c.adapter_id, runs)
         k.graph_replays += runs * len(prog.calls)
 
 
