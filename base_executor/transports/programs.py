@@ -111,7 +111,10 @@ class LocalPrograms:
     def _capture_program(self, t: Tenant, requests: list) -> pb.ControlReply:
         areas = t.areas
         if not areas.warm:
-            raise CallError(pb.INVALID_ARGUMENT, "run the step's calls once before defining its program")
+            # (its calls so far went the scheduler's way. The warm-up may wait for other tenants'
+            # streams, whose inputs need nothing more of our host: a stalled one's, up to its reclaim)
+            self.core.warm_up(areas.stream)
+            areas.warm = True
         if areas.waiting():
             raise CallError(pb.INVALID_ARGUMENT, "the tenant's calls are still running: define a program once they are done")
         calls = [self._to_call(t, req) for req in requests]
