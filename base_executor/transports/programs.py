@@ -97,6 +97,8 @@ class LocalPrograms:
         """Data loop, under the lock: captures t's programs handed over (_define_program)."""
         from symbiont.base_executor.transports.local_control import control_error
 
+        if not t.areas.warm and self._gpu_waits():
+            return  # (warming its stream synchronises our GPU, which would wait for a stalled tenant's stream: a later round)
         jobs, t.areas.program_jobs = t.areas.program_jobs, []
         for job in jobs:
             try:
@@ -110,9 +112,7 @@ class LocalPrograms:
 
     def _capture_program(self, t: Tenant, requests: list) -> pb.ControlReply:
         areas = t.areas
-        if not areas.warm:
-            # (its calls so far went the scheduler's way. The warm-up may wait for other tenants'
-            # streams, whose inputs need nothing more of our host: a stalled one's, up to its reclaim)
+        if not areas.warm:  # (its calls so far went the scheduler's way; no stream of ours waits: _capture_programs)
             self.core.warm_up(areas.stream)
             areas.warm = True
         if areas.waiting():
