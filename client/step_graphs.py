@@ -42,6 +42,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from symbiont.client.errors import RetryLaterError
 from symbiont.client.transports.local_programs import StaleProgram
 
 EAGER = ("labels", "inputs_embeds", "output_attentions", "output_hidden_states")  # a step given any of these runs eagerly
@@ -100,6 +101,9 @@ class StepGraphs:
         if step.graph is None:
             try:
                 self._capture(step, kwargs)
+            except (StaleProgram, RetryLaterError):  # (the mailbox grew meanwhile; the executor's side not ready yet)
+                del steps[key]  # (eager, and captured again at the next steps of the shape)
+                return self._forward(**kwargs)
             except Exception as e:  # (eager from now on: nothing was sent)
                 self._failed.add(key)
                 del steps[key]
@@ -172,7 +176,8 @@ class StepGraphs:
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph), _PinnedHostData(step.host):
+            # (thread_local: another thread's synchronise meanwhile neither fails nor ends this capture)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), _PinnedHostData(step.host):
                 output = self._forward(**fixed)
                 headers = transport.end_program()
         except BaseException:

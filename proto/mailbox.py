@@ -18,7 +18,8 @@ Mailbox layout (offsets in bytes):
                                           that takes its replies in batches looks here at each call
     [PROGRAM_IN_OFFSET,   +4)             same GPU, a step program's run: the tenant's graph writes each
                                           call's number (1, 2, ...) once its input is in place
-    [PROGRAM_OUT_OFFSET,  +4)             ... and the executor's graph writes it once its result is
+    [PROGRAM_OUT_OFFSET,  +4)             ... and the executor's stream writes it once its result is in
+    [PROGRAM_SCRATCH_OFFSET, +4)          scratch: the tenant's word kernels are warmed up on it
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
@@ -47,6 +48,7 @@ OUTPUT_WORD_OFFSET = REPLY_BELL_OFFSET + 192
 FAILURES_OFFSET = REPLY_BELL_OFFSET + 256
 PROGRAM_IN_OFFSET = REPLY_BELL_OFFSET + 320
 PROGRAM_OUT_OFFSET = REPLY_BELL_OFFSET + 384
+PROGRAM_SCRATCH_OFFSET = REPLY_BELL_OFFSET + 448  # a word the tenant's graph-word kernels are warmed up on
 WORDS_PAGE = (REPLY_BELL_OFFSET, 4096)  # the page holding the words a GPU reads or writes
 INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
 OUTPUT_WORD_IN_PAGE = OUTPUT_WORD_OFFSET - WORDS_PAGE[0]

@@ -58,6 +58,9 @@ class Areas:
     lane_keys: dict = dataclasses.field(default_factory=dict)  # graph key -> request header the lane knows
     lane_small: bool = False  # the lane knows a call of fewer than solo_tokens tokens (LocalServer._learn)
     programs: dict = dataclasses.field(default_factory=dict)  # id -> its step programs (transports/programs.py)
+    dropped: list = dataclasses.field(default_factory=list)  # (program, event): kept until a run queued before has passed
+    released: bool = False  # release_wait let its waits go, and step programs' runs may still set a word back
+    wants_warm: bool = False  # a step program's definition found `stream` cold (warmed at a round with no GPU wait)
     program_jobs: list = dataclasses.field(default_factory=list)  # definitions for the data loop to capture
     next_program: int = 1
     lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
@@ -80,6 +83,9 @@ class Areas:
     def waiting(self) -> bool:
         """Whether a stream of ours may still wait for the tenant's input: `stream`, or a batch's
         stream up to `waited`. Their progress says so, not the word, which the tenant could set back."""
+        if self.released and self.awaiting:  # (each step program's run queued sets its word back: release again)
+            self.box.release_program(output=False)
+            self.box.set_input_word(self.awaiting)
         if self.awaiting and (self.waited.query() if self.waited is not None else self.stream.query()):
             self.awaiting, self.waited = 0, None
         return bool(self.awaiting)
@@ -95,8 +101,10 @@ class Areas:
         nobody will read the result of (the tenant is detached)."""
         if self.awaiting:
             self.box.set_input_word(self.awaiting)
-            if self.programs:  # (a run's waits for its calls' inputs too)
+            if self.programs:  # (a run's waits for its calls' inputs too, again at each look until the stream has passed them)
                 self.box.release_program(output=False)
+                self.released = True
+                return
             self.awaiting, self.waited = 0, None
 
 

@@ -232,7 +232,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 # (a tenant with nothing in its ring and no call held has nothing to drain: looking
                 # costs ~1 us, draining it ~5 us of Python and a GIL release in its lane)
                 got = sum(self._drain_safely(t, stopping) for t in tenants
-                          if t.held is not None or t.box.requests.pending() or t.areas.program_jobs)
+                          if t.held is not None or t.box.requests.pending() or t.areas.program_jobs or t.areas.wants_warm)
             got += self._drain_remote(stopping)
             with self.lock:  # (gRPC threads attach and detach remote tenants)
                 remote = list(self.remote.values())
@@ -295,6 +295,8 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         stream, which the GPU makes wait for the copy (when no other tenant's call could join it
         in a batch), or is held until the copy is done (its successors wait behind it)."""
         n = 0
+        if t.areas.wants_warm or t.areas.dropped:
+            self._tend_programs(t)
         if t.areas.program_jobs:  # (before its calls: the tenant waits for the definition's reply)
             self._capture_programs(t)
         while self.tenants.get(t.id) is t:  # an error reply may have detached it

@@ -17,7 +17,7 @@ from symbiont.base_executor.graphs import CallGraphs
 from symbiont.base_executor.scheduler import Call
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import LATE, NATIVE
-from symbiont.base_executor.transports.programs import Program
+from symbiont.base_executor.transports.programs import ProgramCounts
 from symbiont.proto import codec, mailbox
 from symbiont.proto.cuda_ipc import native_ops, reached, stream_write
 from symbiont.proto import executor_pb2 as pb
@@ -270,8 +270,8 @@ class LocalCalls:
         self._count_late(areas)
         for index, n in areas.lane.take_counts():
             entry = areas.lane_units[index]
-            if isinstance(entry, Program):  # (a step program's runs: each of its calls counted)
-                self._count_program(entry.tenant, entry, n)
+            if isinstance(entry, ProgramCounts):  # (a step program's runs: each of its calls counted)
+                self._count_program(entry, n)
                 k.native_calls += n * len(entry.calls)
                 continue
             unit, op, tokens, latency, tenant, adapter, epoch = entry

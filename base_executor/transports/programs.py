@@ -42,9 +42,17 @@ DEFINE_TIMEOUT_S = 60.0
 @dataclasses.dataclass(eq=False)
 class Program:
     graphs: list  # each call's torch.cuda.CUDAGraph, in order
-    calls: list  # the scheduler Calls they compute (their units, ops and tokens: counts)
-    tenant: Tenant
+    calls: list  # the scheduler Calls they compute
+    counts: "ProgramCounts"
     header: bytes = b""  # the run request's header once the lane knows it
+
+
+@dataclasses.dataclass(eq=False, frozen=True)
+class ProgramCounts:
+    """What a run of a program counts (the lane's entry for it: no graphs or tensors kept)."""
+
+    tenant: int
+    calls: tuple  # (unit, op, tokens, latency, adapter id) of each call
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,10 +105,14 @@ class LocalPrograms:
         """Data loop, under the lock: captures t's programs handed over (_define_program)."""
         from symbiont.base_executor.transports.local_control import control_error
 
-        if not t.areas.warm and self._gpu_waits():
-            return  # (warming its stream synchronises our GPU, which would wait for a stalled tenant's stream: a later round)
         jobs, t.areas.program_jobs = t.areas.program_jobs, []
         for job in jobs:
+            if not t.areas.warm and self._gpu_waits():  # (warming it synchronises our GPU: not behind a stalled tenant)
+                t.areas.wants_warm = True
+                job.reply = pb.ControlReply(status=pb.Status(code=pb.RETRY_LATER, retry_after_us=100_000, message=(
+                    "the tenant's stream at the executor has run no call yet; it is warmed up soon: define the program again")))
+                job.done.set()
+                continue
             try:
                 job.reply = self._capture_program(t, job.requests)
             except CallError as e:
@@ -113,8 +125,7 @@ class LocalPrograms:
     def _capture_program(self, t: Tenant, requests: list) -> pb.ControlReply:
         areas = t.areas
         if not areas.warm:  # (its calls so far went the scheduler's way; no stream of ours waits: _capture_programs)
-            self.core.warm_up(areas.stream)
-            areas.warm = True
+            self.warm_stream(areas)
         if areas.waiting():
             raise CallError(pb.INVALID_ARGUMENT, "the tenant's calls are still running: define a program once they are done")
         calls = [self._to_call(t, req) for req in requests]
@@ -135,7 +146,8 @@ class LocalPrograms:
             self._drop_program(areas, next(iter(areas.programs)))
         pid = areas.next_program
         areas.next_program += 1
-        areas.programs[pid] = Program(captured, calls, t)
+        counts = ProgramCounts(t.id, tuple((c.unit, c.op, c.tokens, c.latency, c.adapter_id) for c in calls))
+        areas.programs[pid] = Program(captured, calls, counts)
         log.info("tenant %d: step program %d of %d calls captured", t.id, pid, len(calls))
         return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
 
@@ -147,12 +159,30 @@ class LocalPrograms:
             self._drop_program(areas, pid)
 
     def _drop_program(self, areas, pid: int) -> None:
-        """Forgets a program (our stream idle: the data loop waits for none of its runs first)."""
+        """Forgets a program (caller holds the lock): no run of it is taken from now on (one
+        asked for is refused), and its graphs and calls are kept until the runs queued before
+        have passed (drop_passed), without a wait here."""
         prog = areas.programs.pop(pid)
         if prog.header and areas.lane is not None:
             areas.lane.forget(prog.header)
         if areas.stream is not None:
-            areas.stream.synchronize()  # (a run still queued replays its graph)
+            done = torch.cuda.Event()
+            done.record(areas.stream)
+            areas.dropped.append((prog, done))
+
+    def warm_stream(self, areas) -> None:
+        """Runs a GEMM on areas' stream once (it synchronises our GPU: a round with no GPU wait of ours)."""
+        self.core.warm_up(areas.stream)
+        areas.warm, areas.wants_warm = True, False
+
+    def _tend_programs(self, t: Tenant) -> None:
+        """Data loop, under the lock: warms t's stream when a definition asked for it and no stream
+        of ours waits; lets dropped programs go once their runs have passed."""
+        areas = t.areas
+        if areas.wants_warm and areas.stream is not None and not self._gpu_waits():
+            self.warm_stream(areas)
+        if areas.dropped:
+            areas.dropped = [(p, done) for p, done in areas.dropped if not done.query()]
 
     def _run_program(self, t: Tenant, req: pb.CallRequest, stopping: bool) -> None:
         """Runs a step program's run request from Python (its first, or one the lane did not
@@ -163,8 +193,8 @@ class LocalPrograms:
         if stopping or prog is None or not req.input_seq:
             self.core.counters.errors += 1
             why = (CallError(pb.UNAVAILABLE, "executor is shutting down") if stopping else
-                   CallError(pb.INVALID_ARGUMENT, f"no step program {req.program} on this mailbox (never defined, "
-                             "or defined on a mailbox since outgrown)") if prog is None else
+                   CallError(pb.INVALID_ARGUMENT, f"no step program {req.program} on this mailbox (never defined, dropped "
+                             "with a hosted adapter it names, or beyond the programs kept): define it again") if prog is None else
                    CallError(pb.INVALID_ARGUMENT, "a program's run needs an input_seq"))
             self._reply_error(t, req.call_id, why)
             return
@@ -187,7 +217,7 @@ class LocalPrograms:
         self._push(t, reply)
         t.box.reply_bell.ring()
         self.paths[PROGRAM] += 1
-        self._count_program(t, prog, 1)
+        self._count_program(prog.counts, 1)
         if self.config.native_serve and not self._native_failed and not prog.header:
             lane = self._lane(t, areas.own_graphs)
             if lane is not None:
@@ -204,19 +234,19 @@ class LocalPrograms:
                     log.warning("native serving off: teaching a lane a step program failed (%s: %s)", type(e).__name__, e)
                 else:
                     prog.header = header.SerializeToString()
-                    areas.lane_units.append(prog)
+                    areas.lane_units.append(prog.counts)
 
-    def _count_program(self, t: Tenant, prog: Program, runs: int) -> None:
-        """Counts `runs` runs of prog: each of its calls as a call of its own."""
+    def _count_program(self, counts: ProgramCounts, runs: int) -> None:
+        """Counts `runs` runs of a program: each of its calls as a call of its own."""
         k = self.core.counters
-        for c in prog.calls:
-            self.core.count(c.unit, c.op, runs, runs, runs * c.tokens, c.latency)
-            k.per_tenant_calls[t.id] += runs
-            k.per_tenant_tokens[t.id] += runs * c.tokens
-            if c.adapter_id:  # (a hosted adapter in a program: hits, and recent)
-                self.core.count_adapter(c.adapter_id, runs, runs * c.tokens, False)
-                self.core.adapters.touch(c.adapter_id, runs)
-        k.graph_replays += runs * len(prog.calls)
+        for unit, op, tokens, latency, adapter in counts.calls:
+            self.core.count(unit, op, runs, runs, runs * tokens, latency)
+            k.per_tenant_calls[counts.tenant] += runs
+            k.per_tenant_tokens[counts.tenant] += runs * tokens
+            if adapter:  # (a hosted adapter in a program: hits, and recent)
+                self.core.count_adapter(adapter, runs, runs * tokens, False)
+                self.core.adapters.touch(adapter, runs)
+        k.graph_replays += runs * len(counts.calls)
 
 
 def program_words(areas) -> tuple[int, int]:

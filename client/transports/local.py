@@ -144,6 +144,7 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
                 order.map_words(box, c.output_word, self.url)
         self._box, self._order = box, order
         self._plans, self._failures, self._program_headers = {}, 0, {}
+        self._programs_broken = False  # (a new mailbox's program words start at 0)
         self._unanswered.bind(box, order)
         self._lane = native_lane(box, order, self._wake_mem, self.url) if order is not None and order.out_word else None
         if not (order is not None and order.out_word):  # (a grow whose words could not be mapped)

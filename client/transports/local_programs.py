@@ -25,7 +25,14 @@ from symbiont.client.transports.unanswered import Sent, previous_seq
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import mailbox
 from symbiont.client.transports import graph_words
-from symbiont.proto.cuda_ipc import as_tensor, copy_async
+from symbiont.proto.cuda_ipc import as_tensor, copy_async, stream_write
+
+SCRATCH_WORD = (mailbox.PROGRAM_SCRATCH_OFFSET - mailbox.WORDS_PAGE[0]) // 4  # the kernels' warm-up writes and waits here
+
+
+def program_name(pid: int) -> str:
+    """How a program's run is named (its errors, Sent.unit)."""
+    return f"step program {pid}"
 
 class StaleProgram(Exception):
     """The mailbox a program was defined on is gone (grown, or the tenant reattached): capture it again."""
@@ -50,7 +57,7 @@ class LocalPrograms:
             if not self.programs_possible():
                 raise InvalidCallError(f"{self.url}: this tenant's calls cannot be recorded into a step program")
             self._confirm()
-            graph_words.warm(self._words_page(), mailbox.PROGRAM_IN_IN_PAGE // 4)  # (nothing runs a program now)
+            graph_words.warm(self._words_page(), SCRATCH_WORD)
             self._recording, self._recording_box, self._recorder = [], self._box, threading.get_ident()
 
     def end_program(self) -> list[bytes]:
@@ -78,59 +85,84 @@ class LocalPrograms:
     def run_program(self, pid: int, replay) -> None:
         """Runs program `pid`: its request, then replay() (the step's graph, on the current
         stream), then our stream's wait for the run's output word. Raises StaleProgram when the
-        program's mailbox is gone; an earlier call's failure as a call would."""
+        program must be captured again (its mailbox is gone, a run of it failed: dropped at the
+        executor); an earlier call's failure as a call would."""
         with self._lock:
             box, header = self._program_headers.get(pid, (None, b""))
+            name = program_name(pid)
+            if name in self._unanswered.failed_programs:  # (refused at the executor: dropped there)
+                self._unanswered.failed_programs.discard(name)
+                self._program_headers.pop(pid, None)
+                raise StaleProgram(f"a run of program {pid} failed: it is defined again")
             if box is None or box is not self._box or self._gone or box.detached:
                 if self._box is not None and (self._gone or self._box.detached):
                     self._call_checks()
                 raise StaleProgram(f"program {pid} was defined on a mailbox since replaced")
             self._call_checks()
-            if not self.programs_possible():
-                raise StaleProgram("this tenant's calls can no longer run as a program (another tenant of the process joined)")
-            failures = box.failures()
-            unanswered = self._unanswered
-            if failures != self._failures or unanswered.failure is not None or unanswered.failed:
-                self._failures = failures
-                self._collect()
-            order, lane = self._order, self._lane
-            stream = order.current_stream()
-            if stream != order.stream:
-                order.follow(stream)
-            call_id = next(self._ids)
             # (as a call's: from the look at _early() until its GPU wait is queued, a joining sibling waits for it)
             self._deciding = True
             try:
-                seq = order.seq = order.seq % 0xFFFFFFFF + 1
-                unanswered.add(Sent(call_id, seq, f"step program {pid}", pb.FORWARD, (), None, program=True))
-                try:
-                    rc = lane.send(0, 0, stream, header, call_id, seq, False)
-                except BaseException:  # (the copy or the word failed: nothing went)
-                    if lane.pushed != seq:
-                        unanswered.forget(call_id)
-                        self._release_failed(call_id, seq)
-                    raise
-                if rc == -1:  # (nothing was done)
-                    unanswered.forget(call_id)
-                    order.seq = previous_seq(seq)
-                    raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
-                if rc == -2:  # (the input word went, the request did not: nobody answers it)
-                    unanswered.forget(call_id)
-                    self._release_failed(call_id, seq)
-                    raise InternalError("the step program's run could not be pushed to the request ring")
-                try:
-                    replay()
-                except BaseException:  # (the executor's side of this run waits for our graph's words: let it go)
-                    box.release_program(output=False)
-                    self._program_headers.clear()  # (its output word is left at the run's last number: no more runs)
-                    self._programs_broken = True
-                    raise
-                finally:
-                    order.wait_result(stream, seq)
+                self._run(pid, box, header, replay)
             finally:
                 self._deciding = False
-            if len(unanswered) >= TAKE_EVERY:
+            if len(self._unanswered) >= TAKE_EVERY:
                 self._collect()
+
+    def _run(self, pid: int, box, header: bytes, replay) -> None:
+        if not self.programs_possible():
+            raise StaleProgram("this tenant's calls can no longer run as a program (another tenant of the process joined)")
+        unanswered = self._unanswered
+        failures = box.failures()
+        if failures != self._failures or unanswered.failure is not None or unanswered.failed:
+            self._failures = failures
+            self._collect()
+        order, lane = self._order, self._lane
+        stream = order.current_stream()
+        if stream != order.stream:
+            order.follow(stream)
+        call_id = next(self._ids)
+        seq = order.seq = order.seq % 0xFFFFFFFF + 1
+        unanswered.add(Sent(call_id, seq, program_name(pid), pb.FORWARD, (), None, program=True))
+        # the program input word from 0 before the run's input word: the executor's first wait of this
+        # run must not pass on the numbers of an earlier run it refused (its previous run's are past:
+        # our stream waited for that run's output word)
+        stream_write(stream, self._program_words()[0], 0)
+        try:
+            rc = lane.send(0, 0, stream, header, call_id, seq, False)
+        except BaseException:  # (the input word failed, or an interrupt as it returned)
+            if lane.pushed != seq:  # (the request did not go: the output word is ours to write)
+                unanswered.forget(call_id)
+                self._release_failed(call_id, seq)
+            else:  # (it went, and no graph of ours will write its words: the executor's waits go)
+                self._abandon_run(box)
+                order.wait_result(stream, seq)
+            raise
+        if rc == -1:  # (nothing was done)
+            unanswered.forget(call_id)
+            order.seq = previous_seq(seq)
+            raise InternalError("request ring full: another thread is using this tenant's transport without its lock")
+        if rc == -2:  # (the input word went, the request did not: nobody answers it)
+            unanswered.forget(call_id)
+            self._release_failed(call_id, seq)
+            raise InternalError("the step program's run could not be pushed to the request ring")
+        launched = False
+        try:
+            replay()
+            launched = True
+        except BaseException:
+            if not launched:
+                self._abandon_run(box)
+            raise
+        finally:
+            order.wait_result(stream, seq)
+
+    def _abandon_run(self, box) -> None:
+        """A run whose request went but whose graph was not launched: the executor's waits for its
+        calls' inputs go (its results are garbage, nobody reads them), and, its output word left at
+        the run's last number, no program runs on this mailbox any more."""
+        box.release_program(output=False)
+        self._program_headers.clear()
+        self._programs_broken = True
 
     def _record(self, unit, op, x: torch.Tensor, out_shape, out_dtype, latency, take):
         """A call made while a program records (see the module)."""
@@ -149,6 +181,11 @@ class LocalPrograms:
         graph_words.wait(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k)
         self._recording.append(plan.header)
         return plan.out.clone() if take is None else take(plan.out)
+
+    def _program_words(self) -> tuple[int, int]:
+        """Our GPU's addresses of the mailbox's program input and output words (driver stream operations)."""
+        page = self._order.words - mailbox.INPUT_WORD_IN_PAGE
+        return page + mailbox.PROGRAM_IN_IN_PAGE, page + mailbox.PROGRAM_OUT_IN_PAGE
 
     def _words_page(self) -> torch.Tensor:
         """The mailbox's words page as our GPU maps it: an int32 CUDA tensor (kept per mailbox)."""

@@ -77,6 +77,7 @@ class Unanswered:
         self.failure: tuple[int, Exception] | None = None  # (call id, error) of the earliest failure not raised yet
         self.awaited = 0  # the call id of a call whose caller takes its reply itself (0: none)
         self.awaited_reply: pb.CallReply | None = None  # its reply, when another thread took it
+        self.failed_programs: set[str] = set()  # the names of step programs a run of which failed (defined again)
 
     def __len__(self) -> int:
         return len(self.sent)
@@ -145,6 +146,8 @@ class Unanswered:
         else:
             self.sent.remove(sent)
         failure = reply_error(reply, sent.unit, sent.op, sent.out_shape, sent.out_dtype)
+        if failure is not None and sent.program:
+            self.failed_programs.add(sent.unit)
         if failure is not None:
             failure.call_id = sent.call_id  # (its transport drops what it kept for the call: client/transports/ids.py)
             if reply.status.code != pb.OK:  # (a call run with a result other than asked for had its word written)
