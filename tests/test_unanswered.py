@@ -338,3 +338,25 @@ def test_a_call_whose_mailbox_grew_looks_again_at_who_is_attached(box):
                 local._WAITERS.pop(id(t), None)
         grown.close()
         os.close(fd)
+
+
+def test_a_failed_step_program_run_lets_its_graph_go_after_the_run_before_it(box):
+    """A step program's run refused by the executor (client/transports/local_programs.py): its
+    graph waits on the program output word, so that word is set to let every wait pass, but only
+    once the previous call's result is in and the previous run's graph has set the word back to 0
+    (else that reset would undo the release); the program is then marked to be defined again."""
+    u = Unanswered()
+    u.bind(box)
+    u.add(_sent(1))  # the previous run, its result in once the output word reaches 1
+    u.add(Sent(2, 2, "step program 7", pb.FORWARD, (), None, program=True))
+    assert u.answer(_ok(1)) and u.answer(_failed(2))
+    box.set_output_word(1)
+    box._set_word(mailbox.PROGRAM_OUT_OFFSET, 19)  # run 1's graph has read its last call's result, not yet reset the word
+    u.release()
+    assert box.output_word() == 1 and box.program_output_word() == 19, "released under the previous run's reset"
+    assert u.take_failure() is None
+    box._set_word(mailbox.PROGRAM_OUT_OFFSET, 0)  # run 1's graph ends
+    u.release()
+    assert box.output_word() == 2 and box.program_output_word() == mailbox.RELEASED
+    assert isinstance(u.take_failure(), UnknownUnitError)
+    assert u.failed_programs == {"step program 7"}
