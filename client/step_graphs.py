@@ -81,6 +81,7 @@ class StepGraphs:
         self.replays = 0
         self.captures = 0
         self.failures: list[str] = []  # why captures failed (each such step shape runs eagerly)
+        self._tuner = None  # the model's first PEFT adapter layer (False: none), found at the first step
 
     def __deepcopy__(self, memo):
         import copy
@@ -143,7 +144,7 @@ class StepGraphs:
             return None
         module = getattr(self._forward, "__self__", None)
         parts = [threading.get_ident(), length, type(cache), _layer_shapes(cache), torch.is_inference_mode_enabled(),
-                 getattr(module, "training", None)]
+                 getattr(module, "training", None), self._adapters_state(module)]
         for name in sorted(kwargs):
             v = kwargs[name]
             if name in CACHE_NAMES:
@@ -157,6 +158,19 @@ class StepGraphs:
             else:
                 return None
         return tuple(parts)
+
+    def _adapters_state(self, module) -> tuple | None:
+        """PEFT's switches a replay would not see (disable_adapter(), set_adapter()): those of the
+        model's first adapter layer, which PEFT sets on every layer alike."""
+        if self._tuner is None:
+            try:
+                from peft.tuners.tuners_utils import BaseTunerLayer
+            except ImportError:  # (no PEFT: no adapter layers)
+                BaseTunerLayer = ()
+            self._tuner = next((m for m in module.modules() if isinstance(m, BaseTunerLayer)), False) if module is not None else False
+        if not self._tuner:
+            return None
+        return bool(self._tuner.disable_adapters), tuple(self._tuner.active_adapters)
 
     def _capture(self, step: _Step, kwargs) -> None:
         cache = _cache(kwargs)

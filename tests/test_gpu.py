@@ -1099,8 +1099,9 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
     """A same-GPU tenant whose decoding steps replay as CUDA graphs with their calls as step
     programs (virtualize(step_graphs=True)) gives bitwise the greedy tokens and scores of the same
     tenant decoding eagerly, over three generate calls of two prompts (later calls' caches adopt the
-    graph's tensors), with a LoRA on q,v; the tokens are the unsplit model's. Its steps replay, and
-    the executor runs them as programs, natively after the first."""
+    graph's tensors), with a LoRA on q,v, and with the LoRA turned off (PEFT's disable_adapter()); the
+    tokens are the unsplit model's. Its steps replay, and the executor runs them as programs,
+    natively after the first."""
     from symbiont import connect
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -1125,6 +1126,11 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
                 assert torch.equal(a, b)
             torch.testing.assert_close(ref.generate(prompt, **kw).sequences, got.sequences, rtol=0, atol=0)
         assert steps.captures >= 1 and steps.replays >= 2 * 9, (steps.captures, steps.replays, steps.failures)
+        prompt = ids(1, 13).cuda()
+        for _ in range(2):  # (PEFT's switch is part of a step's key: a replay keeps no LoRA it turned off)
+            with eager.disable_adapter(), graphed.disable_adapter():
+                want, got = eager.generate(prompt, **kw), graphed.generate(prompt, **kw)
+            assert torch.equal(got.sequences, want.sequences) and all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
         paths = dict(conn.stats().call_paths)
         assert paths.get("step program", 0) >= 1 and paths.get("native lane", 0) >= steps.replays - paths["step program"], paths
         conn.close()
