@@ -62,6 +62,13 @@ ALIGN = 64
 assert Ring.bytes_needed(RING_SLOTS, RING_SLOT_SIZE) <= RING_REGION
 
 
+def program_words(input_word: int) -> tuple[int, int]:
+    """A GPU's addresses of the program input and output words, from its address of the input word
+    (the words page as that GPU maps it: Mailbox.map_words)."""
+    page = input_word - INPUT_WORD_IN_PAGE
+    return page + PROGRAM_IN_IN_PAGE, page + PROGRAM_OUT_IN_PAGE
+
+
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

@@ -63,7 +63,7 @@ class Areas:
     wants_warm: bool = False  # a step program's definition found `stream` cold (warmed at a round with no GPU wait)
     program_jobs: list = dataclasses.field(default_factory=list)  # definitions for the data loop to capture
     next_program: int = 1
-    lane_units: list = dataclasses.field(default_factory=list)  # (unit, op, tokens, latency, tenant) by the lane's entry index
+    lane_units: list = dataclasses.field(default_factory=list)  # by the lane's entry index: (unit, op, tokens, latency, tenant, adapter, epoch), or a step program's ProgramCounts
     lane_late: int = 0  # the lane's `late` count folded into LocalServer.paths
 
     @property

@@ -311,9 +311,9 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 if (not stopping or not arrived) and self._run_waiting(t, req, HELD_OWN):
                     t.held = None
                     continue
-                if req.program and not stopping:  # (held until t's queued calls have run)
-                    return n
-                if req.program:
+                if req.program:  # (held until t's queued calls have run; stopping: answered)
+                    if not stopping:
+                        return n
                     t.held = None
                     self._run_program(t, req, True)
                     continue

@@ -270,19 +270,22 @@ class LocalCalls:
         self._count_late(areas)
         for index, n in areas.lane.take_counts():
             entry = areas.lane_units[index]
-            if isinstance(entry, ProgramCounts):  # (a step program's runs: each of its calls counted)
-                self._count_program(entry, n)
-                k.native_calls += n * len(entry.calls)
-                continue
-            unit, op, tokens, latency, tenant, adapter, epoch = entry
-            self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
-            k.per_tenant_calls[tenant] += n
-            k.per_tenant_tokens[tenant] += n * tokens
-            if adapter:
-                self.core.count_adapter(adapter, n, n * tokens, bool(epoch))
-                self.core.adapters.touch(adapter, n)  # (a lane's adapter is on the device: hits, and recent)
-            k.graph_replays += n
-            k.native_calls += n
+            for unit in entry.calls if isinstance(entry, ProgramCounts) else (entry,):  # (a step program's: each call)
+                self._count_lone(unit, n)
+                k.native_calls += n
+
+    def _count_lone(self, entry: tuple, n: int) -> None:
+        """Counts n calls of one kind, each run alone as a graph replay: `entry` is (unit, op,
+        tokens, latency, tenant, hosted adapter, merge epoch), as areas.lane_units holds it."""
+        unit, op, tokens, latency, tenant, adapter, epoch = entry
+        k = self.core.counters
+        self.core.count(unit, op, n, n, n * tokens, latency)  # (each call its own batch)
+        k.per_tenant_calls[tenant] += n
+        k.per_tenant_tokens[tenant] += n * tokens
+        if adapter:
+            self.core.count_adapter(adapter, n, n * tokens, bool(epoch))
+            self.core.adapters.touch(adapter, n)  # (a lane's adapter is on the device: hits, and recent)
+        k.graph_replays += n
 
     def _count_late(self, areas) -> None:
         """Adds the calls areas' lane served late since the last look to self.paths (with the

@@ -51,8 +51,7 @@ class Program:
 class ProgramCounts:
     """What a run of a program counts (the lane's entry for it: no graphs or tensors kept)."""
 
-    tenant: int
-    calls: tuple  # (unit, op, tokens, latency, adapter id) of each call
+    calls: tuple  # each call's (unit, op, tokens, latency, tenant, hosted adapter, merge epoch), as LocalCalls._count_lone takes it
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,7 +145,7 @@ class LocalPrograms:
             self._drop_program(areas, next(iter(areas.programs)))
         pid = areas.next_program
         areas.next_program += 1
-        counts = ProgramCounts(t.id, tuple((c.unit, c.op, c.tokens, c.latency, c.adapter_id) for c in calls))
+        counts = ProgramCounts(tuple((c.unit, c.op, c.tokens, c.latency, t.id, c.adapter_id, 0) for c in calls))
         areas.programs[pid] = Program(captured, calls, counts)
         log.info("tenant %d: step program %d of %d calls captured", t.id, pid, len(calls))
         return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
@@ -200,7 +199,7 @@ class LocalPrograms:
             return
         stream = areas.stream
         s = stream.cuda_stream
-        p_in, p_out = program_words(areas)
+        p_in, p_out = mailbox.program_words(areas.words)
         self._gpu_wait(t, stream, req.input_seq)
         torch.cuda.set_stream(stream)
         try:
@@ -217,40 +216,23 @@ class LocalPrograms:
         self._push(t, reply)
         t.box.reply_bell.ring()
         self.paths[PROGRAM] += 1
-        self._count_program(prog.counts, 1)
+        for call in prog.counts.calls:
+            self._count_lone(call, 1)
         if self.config.native_serve and not self._native_failed and not prog.header:
             lane = self._lane(t, areas.own_graphs)
             if lane is not None:
-                header = pb.CallRequest()
-                header.CopyFrom(req)
-                header.ClearField("call_id")
-                header.ClearField("input_seq")
+                request = pb.CallRequest()
+                request.CopyFrom(req)
+                request.ClearField("call_id")
+                request.ClearField("input_seq")
+                header = request.SerializeToString()
                 reply.ClearField("call_id")
                 try:
-                    lane.learn_program(header.SerializeToString(), [int(g.raw_cuda_graph_exec()) for g in prog.graphs],
+                    lane.learn_program(header, [int(g.raw_cuda_graph_exec()) for g in prog.graphs],
                                        p_in, p_out, reply.SerializeToString(), len(areas.lane_units))
                 except Exception as e:  # (its runs are served from Python, as every call's are then)
                     self._native_failed = True
                     log.warning("native serving off: teaching a lane a step program failed (%s: %s)", type(e).__name__, e)
                 else:
-                    prog.header = header.SerializeToString()
+                    prog.header = header
                     areas.lane_units.append(prog.counts)
-
-    def _count_program(self, counts: ProgramCounts, runs: int) -> None:
-        """Counts `runs` runs of a program: each of its calls as a call of its own."""
-        k = self.core.counters
-        for unit, op, tokens, latency, adapter in counts.calls:
-            self.core.count(unit, op, runs, runs, runs * tokens, latency)
-            k.per_tenant_calls[counts.tenant] += runs
-            k.per_tenant_tokens[counts.tenant] += runs * tokens
-            if adapter:  # (a hosted adapter in a program: hits, and recent)
-                self.core.count_adapter(adapter, runs, runs * tokens, False)
-                self.core.adapters.touch(adapter, runs)
-        k.graph_replays += runs * len(counts.calls)
-
-
-def program_words(areas) -> tuple[int, int]:
-    """Device addresses of the program input and output words of areas' mailbox (our GPU's mapping)."""
-    page = areas.words - mailbox.INPUT_WORD_IN_PAGE
-    return page + mailbox.PROGRAM_IN_IN_PAGE, page + mailbox.PROGRAM_OUT_IN_PAGE
-

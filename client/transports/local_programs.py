@@ -184,8 +184,7 @@ class LocalPrograms:
 
     def _program_words(self) -> tuple[int, int]:
         """Our GPU's addresses of the mailbox's program input and output words (driver stream operations)."""
-        page = self._order.words - mailbox.INPUT_WORD_IN_PAGE
-        return page + mailbox.PROGRAM_IN_IN_PAGE, page + mailbox.PROGRAM_OUT_IN_PAGE
+        return mailbox.program_words(self._order.words)
 
     def _words_page(self) -> torch.Tensor:
         """The mailbox's words page as our GPU maps it: an int32 CUDA tensor (kept per mailbox)."""

@@ -146,9 +146,9 @@ class Unanswered:
         else:
             self.sent.remove(sent)
         failure = reply_error(reply, sent.unit, sent.op, sent.out_shape, sent.out_dtype)
-        if failure is not None and sent.program:
-            self.failed_programs.add(sent.unit)
         if failure is not None:
+            if sent.program:
+                self.failed_programs.add(sent.unit)
             failure.call_id = sent.call_id  # (its transport drops what it kept for the call: client/transports/ids.py)
             if reply.status.code != pb.OK:  # (a call run with a result other than asked for had its word written)
                 bisect.insort(self.failed, sent, key=lambda s: s.call_id)
