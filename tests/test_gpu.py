@@ -949,6 +949,42 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
                 torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
 
 
+def test_step_programs_of_four_tenants_run_in_gangs(tmp_path):
+    """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
+    (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
+    over every tenant's row, transports/gangs.py), and each tenant's greedy tokens equal its run
+    alone (no gang: its programs then run on its own stream) and the unsplit model's, its scores to
+    the rounding of GEMMs batched with the others'."""
+    from symbiont import connect
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        solo = {}
+        for seed in range(4):
+            solo.update(_run_jobs(tmp_path, ex.url, "steps", [seed], f"solo{seed}"))
+        with connect(ex.url) as conn:
+            before = conn.stats()
+        together = _run_jobs(tmp_path, ex.url, "steps", list(range(4)), "together")
+        with connect(ex.url) as conn:
+            stats = conn.stats()
+    paths = dict(stats.call_paths)
+    ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
+    calls, batches = stats.calls - before.calls, stats.batches - before.batches
+    print(f"together: {ganged} runs in gangs, {calls} calls in {batches} batches; paths {paths}")
+    assert stats.errors == 0
+    assert dict(before.call_paths).get("step program, ganged", 0) == 0, "a lone tenant's runs went to a gang"
+    assert ganged >= 4 * 3 * 10, f"{ganged} runs in gangs"
+    assert calls > 1.5 * batches, f"{calls} calls in {batches} batches: the tenants' calls never met"
+    ref = build_builtin("tiny-llama").cuda()
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    for seed in range(4):
+        assert together[seed]["replays"] >= 3 * 20, together[seed]["replays"]
+        for i in range(3):
+            key = f"tokens:{i}"
+            assert torch.equal(together[seed][key], solo[seed][key]), f"tenant {seed}: {key}"
+            assert torch.equal(ref.generate(together[seed][key][:, :6].cuda(), **kw).cpu(), together[seed][key])
+            torch.testing.assert_close(together[seed][f"scores:{i}"], solo[seed][f"scores:{i}"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("flags", [(), ("--solo-tokens", "0"), ("--solo-tokens", "0", "--gpu-batches")],
                          ids=["default", "batched", "gpu-batches"])
 def test_four_fine_tuning_tenants_together_get_their_solo_adapters(tmp_path, flags):

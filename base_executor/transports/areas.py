@@ -60,6 +60,7 @@ class Areas:
     programs: dict = dataclasses.field(default_factory=dict)  # id -> its step programs (transports/programs.py)
     dropped: list = dataclasses.field(default_factory=list)  # (program, event): kept until a run queued before has passed
     released: bool = False  # release_wait let its waits go, and step programs' runs may still set a word back
+    gang_run: bool = False  # a step program's run waits in its gang for the next round (its later calls wait behind it)
     wants_warm: bool = False  # a step program's definition found `stream` cold (warmed at a round with no GPU wait)
     program_jobs: list = dataclasses.field(default_factory=list)  # definitions for the data loop to capture
     next_program: int = 1

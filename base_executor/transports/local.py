@@ -103,8 +103,18 @@ class LocalServerConfig:
     with no host round trip per call. A batch runs on a waiting member's own stream: a stalled
     tenant holds its batch's other members until it is detached (input_timeout_s)."""
 
+    gang_slots: int = 16
+    """Same-GPU tenants whose step programs are the same calls run them together in gangs of up
+    to this many (transports/gangs.py): each call one GEMM over every taking-part tenant's rows;
+    0: each alone on its own stream. A round waits for its slowest tenant."""
+    gang_wait_us: int = 2000
+    """How long a gang's round waits for the tenants of its last round to ask for their next run
+    (the first asks at once) before it runs with those that did."""
+
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
+        if self.gang_slots < 0 or self.gang_wait_us < 0:
+            raise ValueError(f"gang_slots and gang_wait_us must be >= 0, got {self.gang_slots}, {self.gang_wait_us}")
         if self.solo_tokens < 0:
             raise ValueError(f"solo_tokens must be >= 0 (0: off), got {self.solo_tokens}")
         if self.graph_tokens < 0:
@@ -131,6 +141,9 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
+        self._gang_stream = None  # where gangs' rounds run (transports/gangs.py), on a GPU executor
+        self._gangs: list = []
+        self._gang_failed: set = set()  # keys of gangs whose capture failed (their programs run alone)
         self._native_failed = False  # a lane could not be taught a call: no native serving from then on
         self._batch_waited = None  # the event marking the end of a batch that waits for a tenant's input (_wait_input)
         self._batch_on = None  # the stream such a batch runs on (_pick_stream), while it does
@@ -219,6 +232,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 # which later would wait behind such a stream
                 self._capture_stream = torch.cuda.Stream(self.core.device)
                 self.core.warm_up(self._capture_stream)
+                self._start_gangs()
         next_liveness = time.monotonic() + self.config.liveness_interval_s
         woke = time.monotonic()
         while True:
@@ -233,6 +247,9 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 # costs ~1 us, draining it ~5 us of Python and a GIL release in its lane)
                 got = sum(self._drain_safely(t, stopping) for t in tenants
                           if t.held is not None or t.box.requests.pending() or t.areas.program_jobs or t.areas.wants_warm)
+            if self._gangs:
+                with self.lock:
+                    got += self._launch_gangs(time.monotonic(), stopping)
             got += self._drain_remote(stopping)
             with self.lock:  # (gRPC threads attach and detach remote tenants)
                 remote = list(self.remote.values())
@@ -274,6 +291,9 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
             if deadline is not None:  # (no one may join past the company's window: run then)
                 deadline = min(deadline, max(self._company(tenants, remote, now)[1], now))
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
+            due = self._gangs_due() if self._gangs else None
+            if due is not None:
+                until = min(until, due)
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon
                 until = min(until, time.monotonic() + HELD_POLL_S)
             self.loop_busy_s += time.monotonic() - woke
@@ -300,6 +320,8 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         if t.areas.program_jobs:  # (before its calls: the tenant waits for the definition's reply)
             self._capture_programs(t)
         while self.tenants.get(t.id) is t:  # an error reply may have detached it
+            if t.areas.gang_run:  # (its later calls wait for its gang's round)
+                return n
             if t.areas.lane is not None and t.held is None and not stopping and self._lane_may_serve(t):
                 n += self._serve_lane(t)  # up to the first call it does not know, which we take next
             if t.held is not None:
@@ -611,6 +633,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         if self.tenants.pop(t.id, None) is None:
             return
         self.core.adapters.drop_owner(t.id)
+        self._leave_gangs(t)
         for job in t.areas.program_jobs:  # (a definition handed over and not captured: its control request answers now)
             job.reply = pb.ControlReply(status=pb.Status(code=pb.NOT_ATTACHED, message=f"tenant {t.id} was detached: {why}"))
             job.done.set()

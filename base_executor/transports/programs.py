@@ -13,7 +13,8 @@ output word (the input word is set back to 0 after the last wait, the output wor
 after its last, so the next run counts from 1 again), then writes the output word. After its first
 run the tenant's native lane serves the runs (ServeLane.learn_program: no Python per step). A
 tenant detached or dead mid-run has its program words released with its input word
-(Areas.release_wait).
+(Areas.release_wait). Tenants whose programs are the same calls share a gang (transports/gangs.py):
+while a gang holds two or more, their runs wait in it for its next round instead (_launch_gangs).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError
 from symbiont.base_executor.transports.areas import Tenant
-from symbiont.base_executor.transports.call_paths import PROGRAM
+from symbiont.base_executor.transports.call_paths import GANG, PROGRAM
+from symbiont.base_executor.transports.gangs import Gang, gang_key
 from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import stream_wait, stream_write
 from symbiont.proto import executor_pb2 as pb
@@ -45,6 +47,9 @@ class Program:
     calls: list  # the scheduler Calls they compute
     counts: "ProgramCounts"
     header: bytes = b""  # the run request's header once the lane knows it
+    tenant: Tenant | None = None
+    gang: Gang | None = None  # the gang it has a slot in (transports/gangs.py)
+    gang_slot: int = -1
 
 
 @dataclasses.dataclass(eq=False, frozen=True)
@@ -146,8 +151,10 @@ class LocalPrograms:
         pid = areas.next_program
         areas.next_program += 1
         counts = ProgramCounts(tuple((c.unit, c.op, c.tokens, c.latency, t.id, c.adapter_id, 0) for c in calls))
-        areas.programs[pid] = Program(captured, calls, counts)
-        log.info("tenant %d: step program %d of %d calls captured", t.id, pid, len(calls))
+        areas.programs[pid] = prog = Program(captured, calls, counts, tenant=t)
+        self._join_gang(prog)
+        log.info("tenant %d: step program %d of %d calls captured%s", t.id, pid, len(calls),
+                 f" (gang of {len(prog.gang.members)})" if prog.gang is not None else "")
         return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
 
     def _drop_programs(self, areas, stale) -> None:
@@ -164,6 +171,15 @@ class LocalPrograms:
         prog = areas.programs.pop(pid)
         if prog.header and areas.lane is not None:
             areas.lane.forget(prog.header)
+        if prog.gang is not None:
+            pending = prog.gang.pending.get(prog.tenant.id)
+            if pending is not None and pending[2] is prog:  # (its run is refused: the tenant captures the step again)
+                del prog.gang.pending[prog.tenant.id]
+                areas.gang_run = False
+                self.core.counters.errors += 1
+                self._reply_error(prog.tenant, pending[1].call_id, CallError(
+                    pb.INVALID_ARGUMENT, f"step program {pid} was dropped (beyond the programs kept): define it again"))
+            prog.gang.leave(prog)
         if areas.stream is not None:
             done = torch.cuda.Event()
             done.record(areas.stream)
@@ -196,6 +212,13 @@ class LocalPrograms:
                              "with a hosted adapter it names, or beyond the programs kept): define it again") if prog is None else
                    CallError(pb.INVALID_ARGUMENT, "a program's run needs an input_seq"))
             self._reply_error(t, req.call_id, why)
+            return
+        gang = prog.gang
+        if gang is not None and len(gang.members) > 1:  # (its next round runs it: _launch_gangs)
+            if not gang.pending:
+                gang.since = time.monotonic()
+            gang.pending[t.id] = (t, req, prog)
+            areas.gang_run = True
             return
         stream = areas.stream
         s = stream.cuda_stream
@@ -236,3 +259,101 @@ class LocalPrograms:
                 else:
                     prog.header = header
                     areas.lane_units.append(prog.counts)
+
+    # ---- gangs: several tenants' runs of the same calls together (transports/gangs.py) --------
+
+    def _start_gangs(self) -> None:
+        """Data loop, at its start on a GPU: the gangs' stream, warmed (cuBLAS's workspace, the
+        gang kernels compiled) while no stream of ours waits on a tenant; gangs off where that fails."""
+        if not (self.config.gang_slots and self.config.gpu_waits and self.config.graph_tokens):
+            return
+        try:
+            from symbiont.base_executor.kernels import gang_words
+
+            stream = torch.cuda.Stream(self.core.device)
+            self.core.warm_up(stream)
+            with torch.cuda.stream(stream):
+                gang_words.warm(self.core.device)
+            stream.synchronize()
+        except Exception as e:  # (no Triton: every program runs alone)
+            log.warning("gangs of step programs off: %s: %s", type(e).__name__, e)
+            return
+        self._gang_stream = stream
+
+    def _join_gang(self, prog: Program) -> None:
+        """Gives a program just captured a slot in the gang of its calls, a new gang where none has
+        one free. The second member's coming sends the first one's runs to the gang: its lane forgets them."""
+        key = gang_key(prog.calls) if self._gang_stream is not None else None
+        if key is None or key in self._gang_failed:
+            return
+        gang = next((g for g in self._gangs if g.key == key and g.free_slot() is not None), None)
+        if gang is None:
+            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_stream, self.core.device)
+            self._gangs.append(gang)
+        gang.join(gang.free_slot(), prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
+        for member in gang.members.values() if len(gang.members) == 2 else ():
+            if member.header and member.tenant.areas.lane is not None:
+                member.tenant.areas.lane.forget(member.header)
+                member.header = b""
+
+    def _leave_gangs(self, t: Tenant) -> None:
+        """t is detached (caller holds the lock): its programs leave their gangs, its run waiting in one goes."""
+        for prog in t.areas.programs.values():
+            if prog.gang is not None:
+                prog.gang.pending.pop(t.id, None)
+                prog.gang.leave(prog)
+        t.areas.gang_run = False
+
+    def _launch_gangs(self, now: float, stopping: bool) -> bool:
+        """Data loop, under the lock: runs each gang's round whose tenants are all in (those of its
+        last round, every member's for its first), or whose wait is over; whether any ran."""
+        ran = False
+        for gang in self._gangs:
+            if not gang.pending:
+                continue
+            members = {p.tenant.id for p in gang.members.values()}
+            expected = (gang.convoy & members) or members
+            if stopping or expected <= gang.pending.keys() or now - gang.since >= self.config.gang_wait_us * 1e-6:
+                self._launch_gang(gang)
+                ran = True
+        return ran
+
+    def _gangs_due(self) -> float | None:
+        """When the earliest gang round waiting for its tenants runs anyway (None: none waits)."""
+        due = [g.since + self.config.gang_wait_us * 1e-6 for g in self._gangs if g.pending]
+        return min(due) if due else None
+
+    def _launch_gang(self, gang: Gang) -> None:
+        runs, gang.pending = list(gang.pending.values()), {}
+        try:
+            if gang.graph is None:
+                gang.capture(self.core.scheduler.config.exact)
+            done = gang.run({prog.gang_slot: req.input_seq for _, req, prog in runs})
+        except Exception:  # (its programs run alone from now on)
+            log.exception("a gang's round could not be captured or queued; its programs run alone")
+            self._gang_failed.add(gang.key)
+            self._gangs.remove(gang)
+            for prog in list(gang.members.values()):
+                gang.leave(prog)
+            for t, req, _ in runs:
+                t.areas.gang_run = False
+                self._run_program(t, req, False)
+            return
+        now = time.monotonic()
+        k = self.core.counters
+        for t, req, prog in runs:
+            areas = t.areas
+            areas.gang_run = False
+            if not areas.waiting():
+                t.waiting_since = now
+            areas.await_input(req.input_seq, done)  # (the stall clock and releases as for a batch's wait)
+            self._push(t, pb.CallReply(call_id=req.call_id, status=_OK))
+            t.box.reply_bell.ring()
+            k.per_tenant_calls[t.id] += len(prog.calls)
+            k.per_tenant_tokens[t.id] += sum(c.tokens for c in prog.calls)
+        self.paths[GANG] += len(runs)
+        n = len(runs)
+        for c in gang.calls:
+            self.core.count(c.unit, c.op, n, 1, n * c.tokens, c.latency)
+        k.graph_replays += 1
+        gang.convoy = {t.id for t, _, _ in runs}

@@ -1,5 +1,6 @@
 """A tenant job for the multi-tenant tests: `train` runs LoRA SGD steps, `generate` greedy
-decodes a few prompts; both save what they computed to --out."""
+decodes a few prompts, `steps` too with its decoding steps replayed as CUDA graphs (a same-GPU
+tenant: virtualize(step_graphs=True)); each saves what it computed to --out."""
 from __future__ import annotations
 
 import argparse
@@ -78,10 +79,25 @@ def generate(url: str, prompts: int, sync=lambda: None, device: str = "cpu", see
     return {k: v.cpu() for k, v in out.items()}
 
 
+def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", seed: int = 0) -> dict:
+    model = virtualize(build_builtin("tiny-llama").to(device), url, step_graphs=True)
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
+              output_scores=True, return_dict_in_generate=True)
+    model.generate(ids(1, 6, seed=1000 * seed).to(device), **kw)  # (its steps captured before the others meet)
+    sync()
+    out = {}
+    for i in range(prompts):
+        got = model.generate(ids(1, 6, seed=300 + i + 1000 * seed).to(device), **kw)
+        out[f"tokens:{i}"] = got.sequences
+        out[f"scores:{i}"] = torch.stack(got.scores)
+    out["replays"] = torch.tensor(model.forward.replays)
+    return {k: v.cpu() for k, v in out.items()}
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
-    p.add_argument("--mode", choices=["train", "generate"], required=True)
+    p.add_argument("--mode", choices=["train", "generate", "steps"], required=True)
     p.add_argument("--n", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
@@ -90,5 +106,5 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0, help="the data (train on cuda: also the adapter's rank and init)")
     a = p.parse_args()
     sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
-    result = train(a.url, a.n, sync, a.device, a.seed) if a.mode == "train" else generate(a.url, a.n, sync, a.device, a.seed)
+    result = {"train": train, "generate": generate, "steps": steps}[a.mode](a.url, a.n, sync, a.device, a.seed)
     torch.save(result, a.out)

@@ -1,0 +1,120 @@
+"""Kernels of a gang's round (base_executor/transports/gangs.py): the waits, word writes and row
+copies of several tenants' step programs inside one CUDA graph.
+
+A gang's graph must serve whichever of its tenants take part in a round, so nothing of a
+tenant is in the graph itself: its words' and rows' addresses are in a table (int64, one row of
+`width` addresses per slot), and a slot's number for the round is in `seqs` (int32, the run's
+input_seq; 0: the slot sits the round out). Every kernel reads both when it runs.
+
+- wait: one program spins (volatile loads) until each taking-part slot's word at column `col`
+  reaches `value` (int32 `>=`), or the slot's own seq with `from_seq`. The words are mailbox words,
+  page-locked host memory mapped for our GPU (released with 0x7FFFFFFF).
+- write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col`.
+- gather: copies each taking-part slot's row (n int32 words at the address in column `col`) into
+  row `slot` of a contiguous batch; scatter copies a batch's rows back out.
+Triton is imported at the first use; `warm` compiles every kernel outside a capture.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+COPY_BLOCK = 1024  # int32 words per program of a row copy
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
+    def wait(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        seq = tl.load(seqs + i, mask=i < slots, other=0)
+        on = seq != 0
+        target = seq if FROM_SEQ else seq * 0 + value
+        words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
+        word = tl.load(words, mask=on, other=0, volatile=True)
+        short = tl.sum((on & (word < target)).to(tl.int32), axis=0)
+        while short > 0:
+            word = tl.load(words, mask=on, other=0, volatile=True)
+            short = tl.sum((on & (word < target)).to(tl.int32), axis=0)
+
+    @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
+    def write(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        seq = tl.load(seqs + i, mask=i < slots, other=0)
+        on = seq != 0
+        words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(words, seq if FROM_SEQ else seq * 0 + value, mask=on)
+
+    @triton.jit(do_not_specialize=["width", "col", "n"])
+    def gather(table, width, col, seqs, batch, n, BLOCK: tl.constexpr):
+        slot = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        on = (j < n) & (tl.load(seqs + slot) != 0)
+        row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
+        tl.store(batch + slot * n + j, tl.load(row + j, mask=on), mask=on)
+
+    @triton.jit(do_not_specialize=["width", "col", "n"])
+    def scatter(batch, table, width, col, seqs, n, BLOCK: tl.constexpr):
+        slot = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        on = (j < n) & (tl.load(seqs + slot) != 0)
+        row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
+        tl.store(row + j, tl.load(batch + slot * n + j, mask=on), mask=on)
+
+    return wait, write, gather, scatter
+
+
+def _block(slots: int) -> int:
+    return max(16, 1 << (slots - 1).bit_length())
+
+
+def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:
+    """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with seqs[s] != 0."""
+    slots = seqs.shape[0]
+    _kernels()[0][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq)
+
+
+def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:
+    """Queues on the current stream: table[s, col]'s word = value (or seqs[s]) for every s with seqs[s] != 0."""
+    slots = seqs.shape[0]
+    _kernels()[1][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq)
+
+
+def words_of(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as int32 words (t contiguous, of a multiple of 4 bytes)."""
+    return t.view(-1).view(torch.uint8).view(torch.int32)
+
+
+def gather(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor) -> None:
+    """Queues: row s of batch (its first dimension split in seqs' slots) = the bytes at table[s, col]."""
+    slots = seqs.shape[0]
+    n = batch.numel() * batch.element_size() // 4 // slots
+    _kernels()[2][(slots, triton_cdiv(n))](table, table.shape[1], col, seqs, words_of(batch), n, BLOCK=COPY_BLOCK)
+
+
+def scatter(batch: torch.Tensor, table: torch.Tensor, col: int, seqs: torch.Tensor) -> None:
+    """Queues: the bytes at table[s, col] = row s of batch."""
+    slots = seqs.shape[0]
+    n = batch.numel() * batch.element_size() // 4 // slots
+    _kernels()[3][(slots, triton_cdiv(n))](words_of(batch), table, table.shape[1], col, seqs, n, BLOCK=COPY_BLOCK)
+
+
+def triton_cdiv(n: int) -> int:
+    return (n + COPY_BLOCK - 1) // COPY_BLOCK
+
+
+def warm(device: torch.device) -> None:
+    """Compiles and loads every kernel outside a capture (which may not load a module), on the
+    current stream: a table of one slot that sits out."""
+    table = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    seqs = torch.zeros(1, dtype=torch.int32, device=device)
+    batch = torch.zeros(1, dtype=torch.int32, device=device)
+    for from_seq in (False, True):
+        wait(table, 0, seqs, 1, from_seq)
+        write(table, 0, seqs, 1, from_seq)
+    gather(table, 0, seqs, batch)
+    scatter(batch, table, 0, seqs)

@@ -1,0 +1,139 @@
+"""Gangs: the step programs of several same-GPU tenants run together, each call one GEMM over
+all their rows (`serve --gang-slots N`; transports/programs.py decides when).
+
+Alone, a tenant's step program runs on its own stream, one call at a time, each a GEMV reading
+the unit's whole weight: sixteen decoding tenants read every weight sixteen times a token. Tenants
+whose programs are the same calls (the same units, ops, shapes and dtypes, no hosted adapter)
+share a gang: a round of the gang is one CUDA graph on the gang's stream that, call by call,
+waits for every taking-part tenant's program input word, gathers their input rows from their
+mailboxes into one batch, runs the unit once over the batch, scatters the result rows back and
+writes their program output words; after the last call, their output words (kernels/gang_words.py).
+The graph holds no tenant: a slot's word and row addresses are in the gang's table, and whether
+it takes part (and its run's input_seq) in `seqs`, written on the gang's stream before each
+round. A round waits for its slowest tenant: a tenant that stalls holds its gang until it is
+detached (LocalServerConfig.input_timeout_s), as a batch does.
+
+The batch's GEMM is not bitwise the lone one (another kernel over more rows): a ganged tenant's
+results are within the batching tolerance of its lone ones (README), its greedy tokens the same.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from symbiont.base_executor import runner
+from symbiont.base_executor.kernels import gang_words
+from symbiont.proto import mailbox
+from symbiont.proto.cuda_ipc import stream_write
+
+log = logging.getLogger("base_executor")
+
+IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
+
+
+def gang_key(calls: list) -> tuple | None:
+    """What programs must share to be one gang's (each call's unit, op, shapes and dtypes); None
+    for a program that cannot be in a gang (a hosted adapter or a merged copy; rows not whole
+    int32 words)."""
+    key = []
+    for c in calls:
+        if c.adapter is not None or c.merge_epoch or c.out is None:
+            return None
+        for t in (c.x, c.out):
+            if not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 4:
+                return None
+        key.append((c.unit.id, c.op, c.latency, tuple(c.x.shape), c.x.dtype, tuple(c.out.shape), c.out.dtype))
+    return tuple(key)
+
+
+class Gang:
+    """Up to `slots` tenants' programs of one key, and the graph of their rounds."""
+
+    def __init__(self, key: tuple, calls: list, slots: int, stream: torch.cuda.Stream, device: torch.device):
+        self.key = key
+        self.calls = calls  # a member's calls: the units and shapes the graph is captured for
+        self.stream = stream
+        self.slots = slots
+        self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
+        self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
+        self.seqs = torch.zeros(slots, dtype=torch.int32, device=device)
+        self._host_seqs = [0] * slots  # what `seqs` holds once the queued writes are done
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._batches: list = []  # the graph's batch tensors (kept while it lives)
+        self.pending: dict[int, tuple] = {}  # tenant id -> (tenant, run request, program) of the next round
+        self.since = 0.0  # when the oldest pending run came
+        self.convoy: set[int] = set()  # the tenants of the last round
+        self.rounds = 0
+
+    def free_slot(self) -> int | None:
+        return next((s for s in range(self.slots) if s not in self.members), None)
+
+    def join(self, slot: int, program, words: int, out_word: int) -> None:
+        """Gives `slot` to a program of a tenant whose mailbox input word is at `words` (queued on
+        the gang's stream: a round queued before still sees the slot as it was)."""
+        p_in, p_out = mailbox.program_words(words)
+        row = [words, p_in, p_out, out_word] + [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
+        values = torch.tensor(row, dtype=torch.int64).pin_memory()
+        with torch.cuda.stream(self.stream):
+            self.table[slot].copy_(values, non_blocking=True)
+        self.members[slot] = program
+        program.gang, program.gang_slot = self, slot
+
+    def leave(self, program) -> None:
+        """The program's slot is free for the next round (a round queued still runs it)."""
+        if self.members.get(program.gang_slot) is program:
+            del self.members[program.gang_slot]
+        program.gang = None
+
+    def capture(self, exact: bool) -> None:
+        """Captures the gang's round on its stream (nothing runs)."""
+        n, slots = len(self.calls), self.slots
+        device = self.table.device
+        batches = []
+        for c in self.calls:
+            x = torch.empty((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
+            y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
+            batches.append((x, y))
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.current_stream(device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                gang_words.wait(self.table, IN_WORD, self.seqs, from_seq=True)  # (the run's place among the tenant's calls)
+                for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
+                    gang_words.wait(self.table, PROGRAM_IN, self.seqs, k)
+                    if k == n:  # (the next run's first wait must not pass on this run's last number)
+                        gang_words.write(self.table, PROGRAM_IN, self.seqs, 0)
+                    gang_words.gather(self.table, 4 + k - 1, self.seqs, x)
+                    runner.run(c.unit, c.op, x, exact, y)
+                    gang_words.scatter(y, self.table, 4 + n + k - 1, self.seqs)
+                    gang_words.write(self.table, PROGRAM_OUT, self.seqs, k)
+                gang_words.write(self.table, OUT_WORD, self.seqs, from_seq=True)
+            finally:
+                graph.capture_end()
+        finally:
+            torch.cuda.set_stream(before)
+        self.graph, self._batches = graph, batches
+
+    def run(self, seqs: dict[int, int]) -> torch.cuda.Event:
+        """Queues a round of the slots in `seqs` (slot -> its run's input_seq) on the gang's stream;
+        the event recorded after it."""
+        s = self.stream.cuda_stream
+        base = self.seqs.data_ptr()
+        for slot in range(self.slots):
+            v = seqs.get(slot, 0)
+            if v != self._host_seqs[slot]:
+                stream_write(s, base + 4 * slot, v)
+                self._host_seqs[slot] = v
+        before = torch.cuda.current_stream(self.table.device)
+        torch.cuda.set_stream(self.stream)
+        try:
+            self.graph.replay()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        finally:
+            torch.cuda.set_stream(before)
+        self.rounds += 1
+        return done
