@@ -633,7 +633,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         if self.tenants.pop(t.id, None) is None:
             return
         self.core.adapters.drop_owner(t.id)
-        self._leave_gangs(t)
+        self._leave_gangs(t.areas, None)
         for job in t.areas.program_jobs:  # (a definition handed over and not captured: its control request answers now)
             job.reply = pb.ControlReply(status=pb.Status(code=pb.NOT_ATTACHED, message=f"tenant {t.id} was detached: {why}"))
             job.done.set()

@@ -239,6 +239,7 @@ class LocalControl:
                     self.areas.retire(grown, t.owner)
                     return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached while its mailbox grew")
                 t.held = None  # (nor a call held for its input there: its input_seq is the old mailbox's)
+                self._leave_gangs(t.areas, "the tenant's mailbox grew: its step programs are gone, define them again")
                 old, t.areas = t.areas, grown
                 self._fold_lane(old)
                 self.areas.retire(old, t.owner)

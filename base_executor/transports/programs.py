@@ -172,14 +172,7 @@ class LocalPrograms:
         if prog.header and areas.lane is not None:
             areas.lane.forget(prog.header)
         if prog.gang is not None:
-            pending = prog.gang.pending.get(prog.tenant.id)
-            if pending is not None and pending[2] is prog:  # (its run is refused: the tenant captures the step again)
-                del prog.gang.pending[prog.tenant.id]
-                areas.gang_run = False
-                self.core.counters.errors += 1
-                self._reply_error(prog.tenant, pending[1].call_id, CallError(
-                    pb.INVALID_ARGUMENT, f"step program {pid} was dropped (beyond the programs kept): define it again"))
-            prog.gang.leave(prog)
+            self._leave_gang(areas, prog, f"step program {pid} was dropped (beyond the programs kept): define it again")
         if areas.stream is not None:
             done = torch.cuda.Event()
             done.record(areas.stream)
@@ -296,13 +289,23 @@ class LocalPrograms:
                 member.tenant.areas.lane.forget(member.header)
                 member.header = b""
 
-    def _leave_gangs(self, t: Tenant) -> None:
-        """t is detached (caller holds the lock): its programs leave their gangs, its run waiting in one goes."""
-        for prog in t.areas.programs.values():
+    def _leave_gangs(self, areas, why: str | None) -> None:
+        """areas go out of use (caller holds the lock): their programs leave their gangs; a run
+        waiting in one is refused (`why`; None: its tenant is detached, no reply)."""
+        for prog in areas.programs.values():
             if prog.gang is not None:
-                prog.gang.pending.pop(t.id, None)
-                prog.gang.leave(prog)
-        t.areas.gang_run = False
+                self._leave_gang(areas, prog, why)
+
+    def _leave_gang(self, areas, prog: Program, why: str | None) -> None:
+        gang = prog.gang
+        pending = gang.pending.get(prog.tenant.id)
+        if pending is not None and pending[2] is prog:  # (refused: the tenant's step fails and is captured again)
+            del gang.pending[prog.tenant.id]
+            areas.gang_run = False
+            if why is not None:
+                self.core.counters.errors += 1
+                self._reply_error(prog.tenant, pending[1].call_id, CallError(pb.INVALID_ARGUMENT, why))
+        gang.leave(prog)
 
     def _launch_gangs(self, now: float, stopping: bool) -> bool:
         """Data loop, under the lock: runs each gang's round whose tenants are all in (those of its
@@ -347,8 +350,12 @@ class LocalPrograms:
             if not areas.waiting():
                 t.waiting_since = now
             areas.await_input(req.input_seq, done)  # (the stall clock and releases as for a batch's wait)
-            self._push(t, pb.CallReply(call_id=req.call_id, status=_OK))
-            t.box.reply_bell.ring()
+            try:
+                self._push(t, pb.CallReply(call_id=req.call_id, status=_OK))
+                t.box.reply_bell.ring()
+            except Exception as e:  # (whatever one tenant's mailbox does, the others' replies go)
+                log.exception("replying to tenant %d's run in a gang failed", t.id)
+                self._reclaim(t, f"internal error on its reply: {type(e).__name__}: {e}", release=True)
             k.per_tenant_calls[t.id] += len(prog.calls)
             k.per_tenant_tokens[t.id] += sum(c.tokens for c in prog.calls)
         self.paths[GANG] += len(runs)
