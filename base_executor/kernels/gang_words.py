@@ -33,7 +33,10 @@ def _kernels():
         i = tl.arange(0, BLOCK)
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
-        target = seq if FROM_SEQ else seq * 0 + value
+        if FROM_SEQ:
+            target = seq
+        else:
+            target = seq * 0 + value
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         word = tl.load(words, mask=on, other=0, volatile=True)
         short = tl.sum((on & (word < target)).to(tl.int32), axis=0)
@@ -47,7 +50,10 @@ def _kernels():
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
-        tl.store(words, seq if FROM_SEQ else seq * 0 + value, mask=on)
+        if FROM_SEQ:
+            tl.store(words, seq, mask=on)
+        else:
+            tl.store(words, seq * 0 + value, mask=on)
 
     @triton.jit(do_not_specialize=["width", "col", "n"])
     def gather(table, width, col, seqs, batch, n, BLOCK: tl.constexpr):
@@ -107,12 +113,12 @@ def triton_cdiv(n: int) -> int:
     return (n + COPY_BLOCK - 1) // COPY_BLOCK
 
 
-def warm(device: torch.device) -> None:
-    """Compiles and loads every kernel outside a capture (which may not load a module), on the
-    current stream: a table of one slot that sits out."""
-    table = torch.zeros((1, 1), dtype=torch.int64, device=device)
-    seqs = torch.zeros(1, dtype=torch.int32, device=device)
-    batch = torch.zeros(1, dtype=torch.int32, device=device)
+def warm(device: torch.device, slots: int) -> None:
+    """Compiles and loads every kernel of gangs of `slots` outside a capture (which may not load a
+    module), on the current stream: a table whose slots all sit out."""
+    table = torch.zeros((slots, 1), dtype=torch.int64, device=device)
+    seqs = torch.zeros(slots, dtype=torch.int32, device=device)
+    batch = torch.zeros(slots, dtype=torch.int32, device=device)
     for from_seq in (False, True):
         wait(table, 0, seqs, 1, from_seq)
         write(table, 0, seqs, 1, from_seq)

@@ -87,30 +87,36 @@ class Gang:
         program.gang = None
 
     def capture(self, exact: bool) -> None:
-        """Captures the gang's round on its stream (nothing runs)."""
+        """Captures the gang's round on its stream, after running it once there with every slot
+        sitting out (no round has run yet: `seqs` is 0), which loads what the capture may not."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
         batches = []
         for c in self.calls:
-            x = torch.empty((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
+            x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
             y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
             batches.append((x, y))
+
+        def round_() -> None:
+            gang_words.wait(self.table, IN_WORD, self.seqs, from_seq=True)  # (the run's place among the tenant's calls)
+            for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
+                gang_words.wait(self.table, PROGRAM_IN, self.seqs, k)
+                if k == n:  # (the next run's first wait must not pass on this run's last number)
+                    gang_words.write(self.table, PROGRAM_IN, self.seqs, 0)
+                gang_words.gather(self.table, 4 + k - 1, self.seqs, x)
+                runner.run(c.unit, c.op, x, exact, y)
+                gang_words.scatter(y, self.table, 4 + n + k - 1, self.seqs)
+                gang_words.write(self.table, PROGRAM_OUT, self.seqs, k)
+            gang_words.write(self.table, OUT_WORD, self.seqs, from_seq=True)
+
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.current_stream(device)
         torch.cuda.set_stream(self.stream)
         try:
+            round_()
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                gang_words.wait(self.table, IN_WORD, self.seqs, from_seq=True)  # (the run's place among the tenant's calls)
-                for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
-                    gang_words.wait(self.table, PROGRAM_IN, self.seqs, k)
-                    if k == n:  # (the next run's first wait must not pass on this run's last number)
-                        gang_words.write(self.table, PROGRAM_IN, self.seqs, 0)
-                    gang_words.gather(self.table, 4 + k - 1, self.seqs, x)
-                    runner.run(c.unit, c.op, x, exact, y)
-                    gang_words.scatter(y, self.table, 4 + n + k - 1, self.seqs)
-                    gang_words.write(self.table, PROGRAM_OUT, self.seqs, k)
-                gang_words.write(self.table, OUT_WORD, self.seqs, from_seq=True)
+                round_()
             finally:
                 graph.capture_end()
         finally:

@@ -266,7 +266,7 @@ class LocalPrograms:
             stream = torch.cuda.Stream(self.core.device)
             self.core.warm_up(stream)
             with torch.cuda.stream(stream):
-                gang_words.warm(self.core.device)
+                gang_words.warm(self.core.device, self.config.gang_slots)
             stream.synchronize()
         except Exception as e:  # (no Triton: every program runs alone)
             log.warning("gangs of step programs off: %s: %s", type(e).__name__, e)
