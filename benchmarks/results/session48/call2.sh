@@ -4,6 +4,7 @@
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt; nproc >> $OUT/gpu.txt
 timeout -s INT 200 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 180 -rfE --tb=short --durations=0 -s \
   -k "gangs" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt
+{ echo "#### executor logs"; grep -h -B2 -A12 "gang\|Traceback" ${TMPDIR:-/tmp}/test-*.log | grep -v "attached;\|detached" | tail -80; } >> $OUT/gpu_tests.txt 2>&1
 d=/tmp/r/g; mkdir -p $d
 left=$(( 575 - SECONDS ))
 cd benchmarks && timeout -s INT $left python3 s3_inference.py --model llama-1b --ns 16 --max-processes 16 --mixed none --seconds 8 --out $d \
