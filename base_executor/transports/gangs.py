@@ -4,14 +4,16 @@ all their rows (`serve --gang-slots N`; transports/programs.py decides when).
 Alone, a tenant's step program runs on its own stream, one call at a time, each a GEMV reading
 the unit's whole weight: sixteen decoding tenants read every weight sixteen times a token. Tenants
 whose programs are the same calls (the same units, ops, shapes and dtypes, no hosted adapter)
-share a gang: a round of the gang is one CUDA graph on the gang's stream that, call by call,
+share a gang: a round of the gang is one CUDA graph on one of its streams that, call by call,
 waits for every taking-part tenant's program input word, gathers their input rows from their
 mailboxes into one batch, runs the unit once over the batch, scatters the result rows back and
 writes their program output words; after the last call, their output words (kernels/gang_words.py).
 The graph holds no tenant: a slot's word and row addresses are in the gang's table, and whether
-it takes part (and its run's input_seq) in `seqs`, written on the gang's stream before each
-round. A round waits for its slowest tenant: a tenant that stalls holds its gang until it is
-detached (LocalServerConfig.input_timeout_s), as a batch does.
+it takes part (and its run's input_seq) in `seqs`, written on the round's stream before it. A
+gang has a graph on each of a few lanes (streams), so that rounds of tenants that did not come
+together still run at once. A round waits for its slowest tenant: a tenant that stalls holds its
+round, and the lane it is on, until it is detached (LocalServerConfig.input_timeout_s), as a
+batch does.
 
 The batch's GEMM is not bitwise the lone one (another kernel over more rows): a ganged tenant's
 results are within the batching tolerance of its lone ones (README), its greedy tokens the same.
@@ -47,48 +49,81 @@ def gang_key(calls: list) -> tuple | None:
     return tuple(key)
 
 
-class Gang:
-    """Up to `slots` tenants' programs of one key, and the graph of their rounds."""
+class _Lane:
+    """One stream a gang's rounds run on, with its own graph of a round, slot array and batches:
+    rounds on different lanes run at once."""
 
-    def __init__(self, key: tuple, calls: list, slots: int, stream: torch.cuda.Stream, device: torch.device):
-        self.key = key
-        self.calls = calls  # a member's calls: the units and shapes the graph is captured for
+    def __init__(self, stream: torch.cuda.Stream, slots: int, device: torch.device):
         self.stream = stream
+        self.seqs = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.host_seqs = [0] * slots  # what `seqs` holds once the queued writes are done
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.batches: list = []  # the graph's batch tensors (kept while it lives)
+        self.done: torch.cuda.Event | None = None  # recorded after its last round
+        self.failures = 0  # captures that failed
+
+    def idle(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+class Gang:
+    """Up to `slots` tenants' programs of one key, and the graphs of their rounds, one per lane
+    (a stream of `streams`)."""
+
+    def __init__(self, key: tuple, calls: list, slots: int, streams: list, device: torch.device):
+        self.key = key
+        self.calls = calls  # a member's calls: the units and shapes the graphs are captured for
         self.slots = slots
         self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
         self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
-        self.seqs = torch.zeros(slots, dtype=torch.int32, device=device)
-        self._host_seqs = [0] * slots  # what `seqs` holds once the queued writes are done
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self._batches: list = []  # the graph's batch tensors (kept while it lives)
+        self.lanes = [_Lane(stream, slots, device) for stream in streams]
+        self._slot_done: list = [None] * slots  # the event after the last round a slot took part in
         self.pending: dict[int, tuple] = {}  # tenant id -> (tenant, run request, program) of the next round
         self.since = 0.0  # when the oldest pending run came
-        self.convoy: set[int] = set()  # the tenants of the last round
+        self.active: dict[int, float] = {}  # tenant id -> when its last round was queued
+        self._flying: list = []  # (event, tenant ids) of rounds queued and maybe not done
         self.rounds = 0
 
     def free_slot(self) -> int | None:
-        return next((s for s in range(self.slots) if s not in self.members), None)
+        """A slot no member holds and no round queued still reads."""
+        return next((s for s in range(self.slots) if s not in self.members
+                     and (self._slot_done[s] is None or self._slot_done[s].query())), None)
 
     def join(self, slot: int, program, words: int, out_word: int) -> None:
-        """Gives `slot` to a program of a tenant whose mailbox input word is at `words` (queued on
-        the gang's stream: a round queued before still sees the slot as it was)."""
+        """Gives `slot` to a program of a tenant whose mailbox input word is at `words`: its row of
+        the table is written on the first lane's stream, which every lane's next round waits for."""
         p_in, p_out = mailbox.program_words(words)
         row = [words, p_in, p_out, out_word] + [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
         values = torch.tensor(row, dtype=torch.int64).pin_memory()
-        with torch.cuda.stream(self.stream):
+        first = self.lanes[0].stream
+        with torch.cuda.stream(first):
             self.table[slot].copy_(values, non_blocking=True)
+            written = torch.cuda.Event()
+            written.record(first)
+        for lane in self.lanes[1:]:
+            lane.stream.wait_event(written)
         self.members[slot] = program
         program.gang, program.gang_slot = self, slot
 
     def leave(self, program) -> None:
-        """The program's slot is free for the next round (a round queued still runs it)."""
+        """The program's slot goes (reused once the rounds queued with it are done)."""
         if self.members.get(program.gang_slot) is program:
             del self.members[program.gang_slot]
+            self.active.pop(program.tenant.id, None)
         program.gang = None
 
-    def capture(self, exact: bool) -> None:
-        """Captures the gang's round on its stream, after running it once there with every slot
-        sitting out (no round has run yet: `seqs` is 0), which loads what the capture may not."""
+    def idle_lane(self) -> "_Lane | None":
+        return next((lane for lane in self.lanes if lane.idle()), None)
+
+    def flying(self) -> set:
+        """The tenants in rounds queued and not done."""
+        self._flying = [(e, ids) for e, ids in self._flying if not e.query()]
+        return set().union(*(ids for _, ids in self._flying))
+
+    def capture(self, lane: _Lane, exact: bool) -> None:
+        """Captures the gang's round on a lane's stream, after running it once there with every
+        slot sitting out (no round has run on the lane yet: its `seqs` is 0), which loads what the
+        capture may not."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
         batches = []
@@ -96,22 +131,23 @@ class Gang:
             x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
             y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
             batches.append((x, y))
+        seqs, table = lane.seqs, self.table
 
         def round_() -> None:
-            gang_words.wait(self.table, IN_WORD, self.seqs, from_seq=True)  # (the run's place among the tenant's calls)
+            gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
             for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
-                gang_words.wait(self.table, PROGRAM_IN, self.seqs, k)
+                gang_words.wait(table, PROGRAM_IN, seqs, k)
                 if k == n:  # (the next run's first wait must not pass on this run's last number)
-                    gang_words.write(self.table, PROGRAM_IN, self.seqs, 0)
-                gang_words.gather(self.table, 4 + k - 1, self.seqs, x)
+                    gang_words.write(table, PROGRAM_IN, seqs, 0)
+                gang_words.gather(table, 4 + k - 1, seqs, x)
                 runner.run(c.unit, c.op, x, exact, y)
-                gang_words.scatter(y, self.table, 4 + n + k - 1, self.seqs)
-                gang_words.write(self.table, PROGRAM_OUT, self.seqs, k)
-            gang_words.write(self.table, OUT_WORD, self.seqs, from_seq=True)
+                gang_words.scatter(y, table, 4 + n + k - 1, seqs)
+                gang_words.write(table, PROGRAM_OUT, seqs, k)
+            gang_words.write(table, OUT_WORD, seqs, from_seq=True)
 
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.current_stream(device)
-        torch.cuda.set_stream(self.stream)
+        torch.cuda.set_stream(lane.stream)
         try:
             round_()
             graph.capture_begin(capture_error_mode="thread_local")
@@ -121,25 +157,31 @@ class Gang:
                 graph.capture_end()
         finally:
             torch.cuda.set_stream(before)
-        self.graph, self._batches = graph, batches
+        lane.graph, lane.batches = graph, batches
 
-    def run(self, seqs: dict[int, int]) -> torch.cuda.Event:
-        """Queues a round of the slots in `seqs` (slot -> its run's input_seq) on the gang's stream;
-        the event recorded after it."""
-        s = self.stream.cuda_stream
-        base = self.seqs.data_ptr()
+    def run(self, lane: _Lane, seqs: dict[int, int], tenants: set, now: float) -> torch.cuda.Event:
+        """Queues a round of the slots in `seqs` (slot -> its run's input_seq) on `lane`; the
+        event recorded after it."""
+        s = lane.stream.cuda_stream
+        base = lane.seqs.data_ptr()
         for slot in range(self.slots):
             v = seqs.get(slot, 0)
-            if v != self._host_seqs[slot]:
+            if v != lane.host_seqs[slot]:
                 stream_write(s, base + 4 * slot, v)
-                self._host_seqs[slot] = v
+                lane.host_seqs[slot] = v
         before = torch.cuda.current_stream(self.table.device)
-        torch.cuda.set_stream(self.stream)
+        torch.cuda.set_stream(lane.stream)
         try:
-            self.graph.replay()
+            lane.graph.replay()
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(lane.stream)
         finally:
             torch.cuda.set_stream(before)
+        lane.done = done
+        for slot in seqs:
+            self._slot_done[slot] = done
+        self._flying = [(e, ids) for e, ids in self._flying if not e.query()] + [(done, tenants)]
+        for tid in tenants:
+            self.active[tid] = now
         self.rounds += 1
         return done

@@ -141,7 +141,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
-        self._gang_stream = None  # where gangs' rounds run (transports/gangs.py), on a GPU executor
+        self._gang_streams: list = []  # where gangs' rounds run (transports/gangs.py), on a GPU executor
         self._gangs: list = []
         self._gang_failed: set = set()  # keys of gangs whose capture failed (their programs run alone)
         self._native_failed = False  # a lane could not be taught a call: no native serving from then on
@@ -291,7 +291,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
             if deadline is not None:  # (no one may join past the company's window: run then)
                 deadline = min(deadline, max(self._company(tenants, remote, now)[1], now))
             until = min(next_liveness, deadline) if deadline is not None else next_liveness
-            due = self._gangs_due() if self._gangs else None
+            due = self._gangs_due(now) if self._gangs else None
             if due is not None:
                 until = min(until, due)
             if any(t.held for t in tenants):  # an input copy is running on the GPU: poll it soon

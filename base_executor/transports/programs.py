@@ -37,6 +37,10 @@ from symbiont.proto import executor_pb2 as pb
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)
 MAX_PROGRAM_CALLS = 1024  # calls one step program may hold
+GANG_LANES = 4  # streams a gang's rounds run on (each with its own cuBLAS workspace, warmed at start)
+ACTIVE_S = 0.05  # a gang member whose last round is older than this is not waited for
+CAPTURE_TRIES = 3  # failed captures of a gang's round on one lane before the gang is given up
+LANE_POLL_S = 20e-6  # how soon a gang whose lanes are all busy is looked at again
 MAX_PROGRAMS = 64  # programs kept per data area; the oldest goes first beyond it (a tenant keeps 8 steps a thread)
 DEFINE_TIMEOUT_S = 60.0
 
@@ -192,7 +196,7 @@ class LocalPrograms:
         if areas.dropped:
             areas.dropped = [(p, done) for p, done in areas.dropped if not done.query()]
 
-    def _run_program(self, t: Tenant, req: pb.CallRequest, stopping: bool) -> None:
+    def _run_program(self, t: Tenant, req: pb.CallRequest, stopping: bool, alone: bool = False) -> None:
         """Runs a step program's run request from Python (its first, or one the lane did not
         take): behind the GPU wait for its input_seq on t's own stream, the program's graph, the
         output word; then teaches the lane its header."""
@@ -207,7 +211,7 @@ class LocalPrograms:
             self._reply_error(t, req.call_id, why)
             return
         gang = prog.gang
-        if gang is not None and len(gang.members) > 1:  # (its next round runs it: _launch_gangs)
+        if gang is not None and len(gang.members) > 1 and not alone:  # (its next round runs it: _launch_gangs)
             if not gang.pending:
                 gang.since = time.monotonic()
             gang.pending[t.id] = (t, req, prog)
@@ -234,7 +238,7 @@ class LocalPrograms:
         self.paths[PROGRAM] += 1
         for call in prog.counts.calls:
             self._count_lone(call, 1)
-        if self.config.native_serve and not self._native_failed and not prog.header:
+        if self.config.native_serve and not self._native_failed and not prog.header and not (gang is not None and len(gang.members) > 1):
             lane = self._lane(t, areas.own_graphs)
             if lane is not None:
                 request = pb.CallRequest()
@@ -263,25 +267,26 @@ class LocalPrograms:
         try:
             from symbiont.base_executor.kernels import gang_words
 
-            stream = torch.cuda.Stream(self.core.device)
-            self.core.warm_up(stream)
-            with torch.cuda.stream(stream):
-                gang_words.warm(self.core.device, self.config.gang_slots)
-            stream.synchronize()
+            streams = [torch.cuda.Stream(self.core.device) for _ in range(GANG_LANES)]
+            for stream in streams:
+                self.core.warm_up(stream)
+                with torch.cuda.stream(stream):
+                    gang_words.warm(self.core.device, self.config.gang_slots)
+                stream.synchronize()
         except Exception as e:  # (no Triton: every program runs alone)
             log.warning("gangs of step programs off: %s: %s", type(e).__name__, e)
             return
-        self._gang_stream = stream
+        self._gang_streams = streams
 
     def _join_gang(self, prog: Program) -> None:
         """Gives a program just captured a slot in the gang of its calls, a new gang where none has
         one free. The second member's coming sends the first one's runs to the gang: its lane forgets them."""
-        key = gang_key(prog.calls) if self._gang_stream is not None else None
+        key = gang_key(prog.calls) if self._gang_streams else None
         if key is None or key in self._gang_failed:
             return
         gang = next((g for g in self._gangs if g.key == key and g.free_slot() is not None), None)
         if gang is None:
-            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_stream, self.core.device)
+            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self.core.device)
             self._gangs.append(gang)
         gang.join(gang.free_slot(), prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
         for member in gang.members.values() if len(gang.members) == 2 else ():
@@ -308,41 +313,48 @@ class LocalPrograms:
         gang.leave(prog)
 
     def _launch_gangs(self, now: float, stopping: bool) -> bool:
-        """Data loop, under the lock: runs each gang's round whose tenants are all in (those of its
-        last round, every member's for its first), or whose wait is over; whether any ran."""
+        """Data loop, under the lock: queues a round of each gang with runs waiting on a lane of it
+        that is idle, once every member it waits for has asked (those whose last round was
+        recent and is done: a convoy) or its wait is over (gang_wait_us since the first asked);
+        while no lane is idle, more runs gather. Whether any was queued."""
         ran = False
-        for gang in self._gangs:
+        for gang in list(self._gangs):
             if not gang.pending:
                 continue
-            members = {p.tenant.id for p in gang.members.values()}
-            expected = (gang.convoy & members) or members
+            lane = gang.idle_lane()
+            if lane is None and not stopping:
+                continue
+            expected = {tid for tid, at in gang.active.items() if now - at < ACTIVE_S} - gang.flying()
             if stopping or expected <= gang.pending.keys() or now - gang.since >= self.config.gang_wait_us * 1e-6:
-                self._launch_gang(gang)
+                self._launch_gang(gang, lane or gang.lanes[0])
                 ran = True
         return ran
 
-    def _gangs_due(self) -> float | None:
-        """When the earliest gang round waiting for its tenants runs anyway (None: none waits)."""
-        due = [g.since + self.config.gang_wait_us * 1e-6 for g in self._gangs if g.pending]
+    def _gangs_due(self, now: float) -> float | None:
+        """When a gang with runs waiting is to be looked at again (None: no run waits)."""
+        due = [g.since + self.config.gang_wait_us * 1e-6 if g.idle_lane() is not None else now + LANE_POLL_S
+               for g in self._gangs if g.pending]
         return min(due) if due else None
 
-    def _launch_gang(self, gang: Gang) -> None:
+    def _launch_gang(self, gang: Gang, lane) -> None:
         runs, gang.pending = list(gang.pending.values()), {}
-        try:
-            if gang.graph is None:
-                gang.capture(self.core.scheduler.config.exact)
-            done = gang.run({prog.gang_slot: req.input_seq for _, req, prog in runs})
-        except Exception:  # (its programs run alone from now on)
-            log.exception("a gang's round could not be captured or queued; its programs run alone")
-            self._gang_failed.add(gang.key)
-            self._gangs.remove(gang)
-            for prog in list(gang.members.values()):
-                gang.leave(prog)
-            for t, req, _ in runs:
-                t.areas.gang_run = False
-                self._run_program(t, req, False)
-            return
         now = time.monotonic()
+        try:
+            if lane.graph is None:
+                gang.capture(lane, self.core.scheduler.config.exact)
+            done = gang.run(lane, {prog.gang_slot: req.input_seq for _, req, prog in runs}, {t.id for t, _, _ in runs}, now)
+        except Exception:  # (these runs go alone; after CAPTURE_TRIES, every run of the gang's programs)
+            lane.failures += 1
+            log.exception("a gang's round could not be captured or queued (%d of %d tries)", lane.failures, CAPTURE_TRIES)
+            if lane.failures >= CAPTURE_TRIES:
+                self._gang_failed.add(gang.key)
+                self._gangs.remove(gang)
+                for prog in list(gang.members.values()):
+                    gang.leave(prog)
+            for t, req, prog in runs:
+                t.areas.gang_run = False
+                self._run_program(t, req, False, alone=True)
+            return
         k = self.core.counters
         for t, req, prog in runs:
             areas = t.areas
@@ -363,4 +375,3 @@ class LocalPrograms:
         for c in gang.calls:
             self.core.count(c.unit, c.op, n, 1, n * c.tokens, c.latency)
         k.graph_replays += 1
-        gang.convoy = {t.id for t, _, _ in runs}
