@@ -143,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
         ids_on_host=args.ids_on_host, max_tenants=args.max_tenants, gang_slots=args.gang_slots,
-        gang_wait_us=args.gang_wait_us,
+        gang_wait_us=args.gang_wait_us, gang_lanes=args.gang_lanes,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -509,8 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gang-slots", type=int, default=16, help="same GPU: tenants whose step programs are the same "
                    "calls run them together, up to this many a gang, each call one GEMM over all their rows; 0: each "
                    "alone (a round waits for its slowest tenant)")
-    s.add_argument("--gang-wait-us", type=int, default=2000, help="same GPU: how long a gang's round waits for the "
-                   "tenants of its last round to ask for their next run")
+    s.add_argument("--gang-wait-us", type=int, default=2000, help="same GPU: how long a gang's round waits for its "
+                   "recent members not in a round to ask for their next run")
+    s.add_argument("--gang-lanes", type=int, default=4, help="same GPU: streams a gang's rounds run on at once (while "
+                   "all are busy, runs gather into the next round)")
     s.add_argument("--catch-up-us", type=int, default=None, help="opportunistic: how long a queue waits for a tenant "
                    "whose queued later call will reach it (its earlier calls run meanwhile); 0: never; default 1000 "
                    "with --gpu-batches (where tenants queue calls ahead), else 0")

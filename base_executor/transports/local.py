@@ -107,14 +107,19 @@ class LocalServerConfig:
     """Same-GPU tenants whose step programs are the same calls run them together in gangs of up
     to this many (transports/gangs.py): each call one GEMM over every taking-part tenant's rows;
     0: each alone on its own stream. A round waits for its slowest tenant."""
+    gang_lanes: int = 4
+    """Streams a gang's rounds run on (each its own graph of a round and cuBLAS workspace, warmed
+    at start): rounds of tenants that did not come together run at once on different lanes; while
+    every lane is busy, runs gather into the next round."""
     gang_wait_us: int = 2000
     """How long a gang's round waits for the tenants of its last round to ask for their next run
     (the first asks at once) before it runs with those that did."""
 
     def __post_init__(self):
         urls.parse(f"local://{self.name}")
-        if self.gang_slots < 0 or self.gang_wait_us < 0:
-            raise ValueError(f"gang_slots and gang_wait_us must be >= 0, got {self.gang_slots}, {self.gang_wait_us}")
+        if self.gang_slots < 0 or self.gang_wait_us < 0 or self.gang_lanes < 1:
+            raise ValueError(f"need gang_slots >= 0, gang_lanes >= 1, gang_wait_us >= 0, got {self.gang_slots}, "
+                             f"{self.gang_lanes}, {self.gang_wait_us}")
         if self.solo_tokens < 0:
             raise ValueError(f"solo_tokens must be >= 0 (0: off), got {self.solo_tokens}")
         if self.graph_tokens < 0:

@@ -37,7 +37,6 @@ from symbiont.proto import executor_pb2 as pb
 log = logging.getLogger("base_executor")
 _OK = pb.Status(code=pb.OK)
 MAX_PROGRAM_CALLS = 1024  # calls one step program may hold
-GANG_LANES = 4  # streams a gang's rounds run on (each with its own cuBLAS workspace, warmed at start)
 ACTIVE_S = 0.05  # a gang member whose last round is older than this is not waited for
 CAPTURE_TRIES = 3  # failed captures of a gang's round on one lane before the gang is given up
 LANE_POLL_S = 20e-6  # how soon a gang whose lanes are all busy is looked at again
@@ -267,7 +266,7 @@ class LocalPrograms:
         try:
             from symbiont.base_executor.kernels import gang_words
 
-            streams = [torch.cuda.Stream(self.core.device) for _ in range(GANG_LANES)]
+            streams = [torch.cuda.Stream(self.core.device) for _ in range(self.config.gang_lanes)]
             for stream in streams:
                 self.core.warm_up(stream)
                 with torch.cuda.stream(stream):
