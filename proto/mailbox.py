@@ -169,6 +169,9 @@ class Mailbox:
     def program_output_word(self) -> int:
         return self._word(PROGRAM_OUT_OFFSET)
 
+    def program_input_word(self) -> int:
+        return self._word(PROGRAM_IN_OFFSET)
+
     def release_program(self, output: bool) -> None:
         """Lets every GPU wait of a step program's run pass: the executor's waits for the inputs
         (its tenant detached or dead), or (output) the tenant's waits for the results (the run

@@ -7,7 +7,8 @@ tenant is in the graph itself: its words' and rows' addresses are in a table (in
 input_seq; 0: the slot sits the round out). Every kernel reads both when it runs.
 
 - wait: one program spins (volatile loads) until each taking-part slot's word at column `col`
-  reaches `value` (int32 `>=`), or the slot's own seq with `from_seq`. The words are mailbox words,
+  reaches `value`, or the slot's own seq with `from_seq` (cyclic, as the driver's
+  cuStreamWaitValue32 GEQ: word - value >= 0 as int32). The words are mailbox words,
   page-locked host memory mapped for our GPU (released with 0x7FFFFFFF).
 - write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col`.
 - gather: copies each taking-part slot's row (n int32 words at the address in column `col`) into
@@ -39,10 +40,10 @@ def _kernels():
             target = seq * 0 + value
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         word = tl.load(words, mask=on, other=0, volatile=True)
-        short = tl.sum((on & (word < target)).to(tl.int32), axis=0)
+        short = tl.sum((on & ((word - target) < 0)).to(tl.int32), axis=0)
         while short > 0:
             word = tl.load(words, mask=on, other=0, volatile=True)
-            short = tl.sum((on & (word < target)).to(tl.int32), axis=0)
+            short = tl.sum((on & ((word - target) < 0)).to(tl.int32), axis=0)
 
     @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
     def write(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
@@ -61,7 +62,7 @@ def _kernels():
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         on = (j < n) & (tl.load(seqs + slot) != 0)
         row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
-        tl.store(batch + slot * n + j, tl.load(row + j, mask=on), mask=on)
+        tl.store(batch + slot.to(tl.int64) * n + j, tl.load(row + j, mask=on), mask=on)
 
     @triton.jit(do_not_specialize=["width", "col", "n"])
     def scatter(batch, table, width, col, seqs, n, BLOCK: tl.constexpr):
@@ -69,7 +70,7 @@ def _kernels():
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         on = (j < n) & (tl.load(seqs + slot) != 0)
         row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
-        tl.store(row + j, tl.load(batch + slot * n + j, mask=on), mask=on)
+        tl.store(row + j, tl.load(batch + slot.to(tl.int64) * n + j, mask=on), mask=on)
 
     return wait, write, gather, scatter
 

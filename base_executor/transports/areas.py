@@ -61,6 +61,7 @@ class Areas:
     dropped: list = dataclasses.field(default_factory=list)  # (program, event): kept until a run queued before has passed
     released: bool = False  # release_wait let its waits go, and step programs' runs may still set a word back
     gang_run: bool = False  # a step program's run waits in its gang for the next round (its later calls wait behind it)
+    gang_round: tuple | None = None  # (event after it, [(tenant, input_seq)]) of the last gang round it took part in
     wants_warm: bool = False  # a step program's definition found `stream` cold (warmed at a round with no GPU wait)
     program_jobs: list = dataclasses.field(default_factory=list)  # definitions for the data loop to capture
     next_program: int = 1

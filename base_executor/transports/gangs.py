@@ -34,74 +34,107 @@ log = logging.getLogger("base_executor")
 IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
 
 
+MAX_ROW_BYTES = 1 << 20  # a call's input or output row of one tenant that a gang copies, at most
+
+
 def gang_key(calls: list) -> tuple | None:
     """What programs must share to be one gang's (each call's unit, op, shapes and dtypes); None
     for a program that cannot be in a gang (a hosted adapter or a merged copy; rows not whole
-    int32 words)."""
+    int32 words, or over MAX_ROW_BYTES)."""
     key = []
     for c in calls:
         if c.adapter is not None or c.merge_epoch or c.out is None:
             return None
         for t in (c.x, c.out):
-            if not t.is_contiguous() or (t.numel() * t.element_size()) % 4 or t.data_ptr() % 4:
+            nbytes = t.numel() * t.element_size()
+            if not t.is_contiguous() or nbytes % 4 or nbytes > MAX_ROW_BYTES or t.data_ptr() % 4:
                 return None
         key.append((c.unit.id, c.op, c.latency, tuple(c.x.shape), c.x.dtype, tuple(c.out.shape), c.out.dtype))
     return tuple(key)
 
 
-class _Lane:
-    """One stream a gang's rounds run on, with its own graph of a round, slot array and batches:
-    rounds on different lanes run at once."""
+class LaneStream:
+    """A warmed stream gangs' rounds run on, shared by every gang's lane on it: `done` is recorded
+    after the last round queued on it, whichever gang's."""
 
-    def __init__(self, stream: torch.cuda.Stream, slots: int, device: torch.device):
+    def __init__(self, stream: torch.cuda.Stream):
         self.stream = stream
-        self.seqs = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.host_seqs = [0] * slots  # what `seqs` holds once the queued writes are done
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.batches: list = []  # the graph's batch tensors (kept while it lives)
-        self.done: torch.cuda.Event | None = None  # recorded after its last round
-        self.failures = 0  # captures that failed
+        self.done: torch.cuda.Event | None = None
 
     def idle(self) -> bool:
         return self.done is None or self.done.query()
 
 
-class Gang:
-    """Up to `slots` tenants' programs of one key, and the graphs of their rounds, one per lane
-    (a stream of `streams`)."""
+class _Lane:
+    """A gang's graph of a round on one LaneStream, with its own slot array and batches: rounds on
+    different lanes run at once."""
 
-    def __init__(self, key: tuple, calls: list, slots: int, streams: list, device: torch.device):
+    def __init__(self, on: LaneStream, slots: int, device: torch.device):
+        self.on = on
+        self.stream = on.stream
+        with torch.cuda.stream(self.stream):  # (made where it is used: no other stream's queued work touches it)
+            self.seqs = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.host_seqs = [0] * slots  # what `seqs` holds once the queued writes are done
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.batches: list = []  # the graph's batch tensors (kept while it lives)
+        self.done: torch.cuda.Event | None = None  # recorded after this gang's last round on it
+        self.failures = 0  # captures that failed
+
+    def passed(self) -> bool:
+        """Whether every round of this gang queued on the lane is done."""
+        return self.done is None or self.done.query()
+
+
+class Gang:
+    """Up to `slots` tenants' programs of one key, and the graphs of their rounds, one per lane.
+    `setup`: a stream no round runs on, where the table is written (each lane's stream waits for
+    the writes: no round reads a slot's row before it is in)."""
+
+    def __init__(self, key: tuple, calls: list, slots: int, streams: list, setup: torch.cuda.Stream, device: torch.device):
         self.key = key
         self.calls = calls  # a member's calls: the units and shapes the graphs are captured for
         self.slots = slots
+        self.setup = setup
         self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
-        self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
-        self.lanes = [_Lane(stream, slots, device) for stream in streams]
-        self._slot_done: list = [None] * slots  # the event after the last round a slot took part in
+        with torch.cuda.stream(setup):
+            self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
+        self.lanes = [_Lane(on, slots, device) for on in streams]
+        self._after_setup()
+        self._slot_rounds: list = [[] for _ in range(slots)]  # per slot, the events after rounds it took part in
         self.pending: dict[int, tuple] = {}  # tenant id -> (tenant, run request, program) of the next round
         self.since = 0.0  # when the oldest pending run came
         self.active: dict[int, float] = {}  # tenant id -> when its last round was queued
         self._flying: list = []  # (event, tenant ids) of rounds queued and maybe not done
         self.rounds = 0
 
+    def _after_setup(self) -> None:
+        """Every lane's stream waits (on the GPU) for what is queued on `setup` so far."""
+        written = torch.cuda.Event()
+        written.record(self.setup)
+        for lane in self.lanes:
+            lane.stream.wait_event(written)
+
+    def tenants(self) -> set:
+        """The tenants with a program in the gang (a tenant may have several: prompts of other lengths)."""
+        return {p.tenant.id for p in self.members.values()}
+
     def free_slot(self) -> int | None:
         """A slot no member holds and no round queued still reads."""
-        return next((s for s in range(self.slots) if s not in self.members
-                     and (self._slot_done[s] is None or self._slot_done[s].query())), None)
+        for s in range(self.slots):
+            if s not in self.members:
+                self._slot_rounds[s] = [e for e in self._slot_rounds[s] if not e.query()]
+                if not self._slot_rounds[s]:
+                    return s
+        return None
 
     def join(self, slot: int, program, words: int, out_word: int) -> None:
-        """Gives `slot` to a program of a tenant whose mailbox input word is at `words`: its row of
-        the table is written on the first lane's stream, which every lane's next round waits for."""
+        """Gives `slot` to a program of a tenant whose mailbox input word is at `words`."""
         p_in, p_out = mailbox.program_words(words)
         row = [words, p_in, p_out, out_word] + [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
         values = torch.tensor(row, dtype=torch.int64).pin_memory()
-        first = self.lanes[0].stream
-        with torch.cuda.stream(first):
+        with torch.cuda.stream(self.setup):
             self.table[slot].copy_(values, non_blocking=True)
-            written = torch.cuda.Event()
-            written.record(first)
-        for lane in self.lanes[1:]:
-            lane.stream.wait_event(written)
+        self._after_setup()
         self.members[slot] = program
         program.gang, program.gang_slot = self, slot
 
@@ -109,11 +142,17 @@ class Gang:
         """The program's slot goes (reused once the rounds queued with it are done)."""
         if self.members.get(program.gang_slot) is program:
             del self.members[program.gang_slot]
-            self.active.pop(program.tenant.id, None)
+            if program.tenant.id not in self.tenants():
+                self.active.pop(program.tenant.id, None)
         program.gang = None
 
     def idle_lane(self) -> "_Lane | None":
-        return next((lane for lane in self.lanes if lane.idle()), None)
+        """A lane whose stream runs no round now (of any gang)."""
+        return next((lane for lane in self.lanes if lane.on.idle()), None)
+
+    def passed(self) -> bool:
+        """Whether every round of the gang queued is done (its memory may go)."""
+        return all(lane.passed() for lane in self.lanes)
 
     def flying(self) -> set:
         """The tenants in rounds queued and not done."""
@@ -126,30 +165,34 @@ class Gang:
         capture may not."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
-        batches = []
-        for c in self.calls:
-            x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
-            y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
-            batches.append((x, y))
-        seqs, table = lane.seqs, self.table
-
-        def round_() -> None:
-            gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
-            for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
-                gang_words.wait(table, PROGRAM_IN, seqs, k)
-                if k == n:  # (the next run's first wait must not pass on this run's last number)
-                    gang_words.write(table, PROGRAM_IN, seqs, 0)
-                gang_words.gather(table, 4 + k - 1, seqs, x)
-                runner.run(c.unit, c.op, x, exact, y)
-                gang_words.scatter(y, table, 4 + n + k - 1, seqs)
-                gang_words.write(table, PROGRAM_OUT, seqs, k)
-            gang_words.write(table, OUT_WORD, seqs, from_seq=True)
-
-        graph = torch.cuda.CUDAGraph()
         before = torch.cuda.current_stream(device)
         torch.cuda.set_stream(lane.stream)
         try:
+            batches = []
+            for c in self.calls:  # (on the lane's stream, kept by the lane even if the capture fails)
+                x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
+                y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
+                batches.append((x, y))
+            lane.batches = batches
+            seqs, table = lane.seqs, self.table
+
+            def round_() -> None:
+                gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
+                for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
+                    gang_words.wait(table, PROGRAM_IN, seqs, k)
+                    if k == n:  # (the next run's first wait must not pass on this run's last number)
+                        gang_words.write(table, PROGRAM_IN, seqs, 0)
+                    gang_words.gather(table, 4 + k - 1, seqs, x)
+                    runner.run(c.unit, c.op, x, exact, y)
+                    gang_words.scatter(y, table, 4 + n + k - 1, seqs)
+                    gang_words.write(table, PROGRAM_OUT, seqs, k)
+                gang_words.write(table, OUT_WORD, seqs, from_seq=True)
+
             round_()
+            done = torch.cuda.Event()
+            done.record(lane.stream)
+            lane.done = done
+            graph = torch.cuda.CUDAGraph()
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 round_()
@@ -157,7 +200,7 @@ class Gang:
                 graph.capture_end()
         finally:
             torch.cuda.set_stream(before)
-        lane.graph, lane.batches = graph, batches
+        lane.graph = graph
 
     def run(self, lane: _Lane, seqs: dict[int, int], tenants: set, now: float) -> torch.cuda.Event:
         """Queues a round of the slots in `seqs` (slot -> its run's input_seq) on `lane`; the
@@ -177,9 +220,9 @@ class Gang:
             done.record(lane.stream)
         finally:
             torch.cuda.set_stream(before)
-        lane.done = done
+        lane.done = lane.on.done = done
         for slot in seqs:
-            self._slot_done[slot] = done
+            self._slot_rounds[slot] = [e for e in self._slot_rounds[slot] if not e.query()] + [done]
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()] + [(done, tenants)]
         for tid in tenants:
             self.active[tid] = now

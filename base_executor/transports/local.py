@@ -146,8 +146,10 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         self.areas = AreaPool(config.name, core.device)
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
-        self._gang_streams: list = []  # where gangs' rounds run (transports/gangs.py), on a GPU executor
+        self._gang_streams: list = []  # gangs.LaneStream: where gangs' rounds run (transports/gangs.py), on a GPU executor
+        self._gang_setup = None  # the stream gangs' tables are written on
         self._gangs: list = []
+        self._gangs_retired: list = []  # gangs kept until their rounds queued are done
         self._gang_failed: set = set()  # keys of gangs whose capture failed (their programs run alone)
         self._native_failed = False  # a lane could not be taught a call: no native serving from then on
         self._batch_waited = None  # the event marking the end of a batch that waits for a tenant's input (_wait_input)
@@ -619,6 +621,8 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 if not owner_alive(t.owner):
                     self._reclaim(t, f"process {t.pid} is gone", release=True)
                 elif t.areas.waiting() and now - t.waiting_since > self.config.input_timeout_s:
+                    if not self._holds_its_round(t):  # (another member holds its gang round: that one goes)
+                        continue
                     self._reclaim(t, f"its input copy did not finish within {self.config.input_timeout_s:.0f} s", release=True)
             self.core.scheduler.forget_others(set(self.tenants) | set(self.remote))  # (detached ones)
             if self._gpu_waits():
@@ -659,5 +663,9 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
             if dropped:
                 log.info("%d queued calls on a released mailbox dropped", dropped)
 
+        for lane in self._gang_streams:  # (a gang round queued may read a retired mailbox; no live tenant's is waited on now)
+            while not lane.stream.query():
+                self.areas.any_waiting()  # (which releases retired areas' words again: each queued run sets one back)
+                time.sleep(1e-4)
         self.areas.release_retired(drop_calls)
 

@@ -29,9 +29,9 @@ from google.protobuf.message import DecodeError
 from symbiont.base_executor.core import CallError
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import GANG, PROGRAM
-from symbiont.base_executor.transports.gangs import Gang, gang_key
+from symbiont.base_executor.transports.gangs import Gang, LaneStream, gang_key
 from symbiont.proto import mailbox
-from symbiont.proto.cuda_ipc import stream_wait, stream_write
+from symbiont.proto.cuda_ipc import reached, stream_wait, stream_write
 from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
@@ -155,7 +155,10 @@ class LocalPrograms:
         areas.next_program += 1
         counts = ProgramCounts(tuple((c.unit, c.op, c.tokens, c.latency, t.id, c.adapter_id, 0) for c in calls))
         areas.programs[pid] = prog = Program(captured, calls, counts, tenant=t)
-        self._join_gang(prog)
+        try:
+            self._join_gang(prog)
+        except Exception:  # (its runs go alone)
+            log.exception("tenant %d: step program %d could not join a gang", t.id, pid)
         log.info("tenant %d: step program %d of %d calls captured%s", t.id, pid, len(calls),
                  f" (gang of {len(prog.gang.members)})" if prog.gang is not None else "")
         return pb.ControlReply(status=_OK, program=pb.ProgramReply(id=pid))
@@ -210,7 +213,7 @@ class LocalPrograms:
             self._reply_error(t, req.call_id, why)
             return
         gang = prog.gang
-        if gang is not None and len(gang.members) > 1 and not alone:  # (its next round runs it: _launch_gangs)
+        if gang is not None and not alone and len(gang.tenants()) > 1:  # (its next round runs it: _launch_gangs)
             if not gang.pending:
                 gang.since = time.monotonic()
             gang.pending[t.id] = (t, req, prog)
@@ -237,7 +240,7 @@ class LocalPrograms:
         self.paths[PROGRAM] += 1
         for call in prog.counts.calls:
             self._count_lone(call, 1)
-        if self.config.native_serve and not self._native_failed and not prog.header and not (gang is not None and len(gang.members) > 1):
+        if self.config.native_serve and not self._native_failed and not prog.header and not (gang is not None and len(gang.tenants()) > 1):
             lane = self._lane(t, areas.own_graphs)
             if lane is not None:
                 request = pb.CallRequest()
@@ -259,8 +262,9 @@ class LocalPrograms:
     # ---- gangs: several tenants' runs of the same calls together (transports/gangs.py) --------
 
     def _start_gangs(self) -> None:
-        """Data loop, at its start on a GPU: the gangs' stream, warmed (cuBLAS's workspace, the
-        gang kernels compiled) while no stream of ours waits on a tenant; gangs off where that fails."""
+        """Data loop, at its start on a GPU: the gangs' lane streams, warmed (cuBLAS's workspace,
+        the gang kernels compiled) while no stream of ours waits on a tenant, and the stream their
+        tables are written on; gangs off where that fails."""
         if not (self.config.gang_slots and self.config.gpu_waits and self.config.graph_tokens):
             return
         try:
@@ -275,23 +279,25 @@ class LocalPrograms:
         except Exception as e:  # (no Triton: every program runs alone)
             log.warning("gangs of step programs off: %s: %s", type(e).__name__, e)
             return
-        self._gang_streams = streams
+        self._gang_setup = torch.cuda.Stream(self.core.device)
+        self._gang_streams = [LaneStream(s) for s in streams]
 
     def _join_gang(self, prog: Program) -> None:
         """Gives a program just captured a slot in the gang of its calls, a new gang where none has
-        one free. The second member's coming sends the first one's runs to the gang: its lane forgets them."""
+        one free. Once a gang holds two tenants, its programs' runs go to it: their lanes forget them."""
         key = gang_key(prog.calls) if self._gang_streams else None
         if key is None or key in self._gang_failed:
             return
         gang = next((g for g in self._gangs if g.key == key and g.free_slot() is not None), None)
         if gang is None:
-            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self.core.device)
+            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self._gang_setup, self.core.device)
             self._gangs.append(gang)
         gang.join(gang.free_slot(), prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
-        for member in gang.members.values() if len(gang.members) == 2 else ():
-            if member.header and member.tenant.areas.lane is not None:
-                member.tenant.areas.lane.forget(member.header)
-                member.header = b""
+        if len(gang.tenants()) > 1:
+            for member in gang.members.values():
+                if member.header and member.tenant.areas.lane is not None:
+                    member.tenant.areas.lane.forget(member.header)
+                    member.header = b""
 
     def _leave_gangs(self, areas, why: str | None) -> None:
         """areas go out of use (caller holds the lock): their programs leave their gangs; a run
@@ -310,12 +316,24 @@ class LocalPrograms:
                 self.core.counters.errors += 1
                 self._reply_error(prog.tenant, pending[1].call_id, CallError(pb.INVALID_ARGUMENT, why))
         gang.leave(prog)
+        if not gang.members:
+            self._retire_gang(gang)
+
+    def _retire_gang(self, gang: Gang) -> None:
+        """The gang takes no more runs; its graphs and buffers go once its rounds queued are done."""
+        if gang in self._gangs:
+            self._gangs.remove(gang)
+            self._gangs_retired.append(gang)
+        for prog in list(gang.members.values()):
+            gang.leave(prog)
 
     def _launch_gangs(self, now: float, stopping: bool) -> bool:
         """Data loop, under the lock: queues a round of each gang with runs waiting on a lane of it
-        that is idle, once every member it waits for has asked (those whose last round was
+        whose stream is idle, once every member it waits for has asked (those whose last round was
         recent and is done: a convoy) or its wait is over (gang_wait_us since the first asked);
         while no lane is idle, more runs gather. Whether any was queued."""
+        if self._gangs_retired:
+            self._gangs_retired = [g for g in self._gangs_retired if not g.passed()]
         ran = False
         for gang in list(self._gangs):
             if not gang.pending:
@@ -325,7 +343,12 @@ class LocalPrograms:
                 continue
             expected = {tid for tid, at in gang.active.items() if now - at < ACTIVE_S} - gang.flying()
             if stopping or expected <= gang.pending.keys() or now - gang.since >= self.config.gang_wait_us * 1e-6:
-                self._launch_gang(gang, lane or gang.lanes[0])
+                try:
+                    self._launch_gang(gang, lane or gang.lanes[0])
+                except Exception:  # (whatever one gang does, the data loop serves the others)
+                    log.exception("a gang's round failed; its programs run alone from now on")
+                    self._gang_failed.add(gang.key)
+                    self._retire_gang(gang)
                 ran = True
         return ran
 
@@ -347,20 +370,24 @@ class LocalPrograms:
             log.exception("a gang's round could not be captured or queued (%d of %d tries)", lane.failures, CAPTURE_TRIES)
             if lane.failures >= CAPTURE_TRIES:
                 self._gang_failed.add(gang.key)
-                self._gangs.remove(gang)
-                for prog in list(gang.members.values()):
-                    gang.leave(prog)
-            for t, req, prog in runs:
+                self._retire_gang(gang)
+            for t, req, _ in runs:
                 t.areas.gang_run = False
-                self._run_program(t, req, False, alone=True)
+                try:
+                    self._run_program(t, req, False, alone=True)
+                except Exception as e:
+                    log.exception("tenant %d's run failed alone too", t.id)
+                    self._reclaim(t, f"internal error on its run: {type(e).__name__}: {e}", release=True)
             return
         k = self.core.counters
+        members = [(t, req.input_seq) for t, req, _ in runs]
         for t, req, prog in runs:
             areas = t.areas
             areas.gang_run = False
             if not areas.waiting():
                 t.waiting_since = now
             areas.await_input(req.input_seq, done)  # (the stall clock and releases as for a batch's wait)
+            areas.gang_round = (done, members)
             try:
                 self._push(t, pb.CallReply(call_id=req.call_id, status=_OK))
                 t.box.reply_bell.ring()
@@ -374,3 +401,19 @@ class LocalPrograms:
         for c in gang.calls:
             self.core.count(c.unit, c.op, n, 1, n * c.tokens, c.latency)
         k.graph_replays += 1
+
+    def _holds_its_round(self, t: Tenant) -> bool:
+        """Whether t, waited for past the stall timeout, is what holds the gang round it is in (so
+        it is detached, not the others): its input word short of its run's, or its program input
+        word behind another member's (each member that came waits at the call the round is at).
+        True too where no member is behind (nothing tells them apart), or t is in no round."""
+        gr = t.areas.gang_round
+        if gr is None or gr[0].query():
+            return True
+        at = {}
+        for m, seq in gr[1]:
+            box = m.box
+            at[m.id] = box.program_input_word() if reached(box.input_word(), seq) else -1
+        if len(set(at.values())) <= 1:
+            return True
+        return at.get(t.id, -1) < max(at.values())
