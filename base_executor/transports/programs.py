@@ -412,6 +412,8 @@ class LocalPrograms:
             return True
         at = {}
         for m, seq in gr[1]:
+            if self.tenants.get(m.id) is not m:  # (detached: its words released, its mailbox maybe gone)
+                continue
             box = m.box
             at[m.id] = box.program_input_word() if reached(box.input_word(), seq) else -1
         if len(set(at.values())) <= 1:
