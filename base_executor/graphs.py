@@ -29,6 +29,43 @@ from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 
+class CaptureBusy(Exception):
+    """A capture not made now: a mailbox's GPU side is being made meanwhile (capture_lock held)."""
+
+
+def capturing(lock):
+    """Context manager of a capture: holds `lock` (None: none) or raises CaptureBusy at once."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def held():
+        if lock is None:
+            yield
+            return
+        if not lock.acquire(blocking=False):
+            raise CaptureBusy()
+        try:
+            yield
+        finally:
+            lock.release()
+
+    return held()
+
+
+def end_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
+    """graph.capture_end(); where it fails (an invalidated capture), the allocator is told the
+    capture's pool records no more (torch's capture_end does not get there then: every later use
+    of the pool, a graph's or use_mem_pool's, would fail), and the error raised."""
+    try:
+        graph.capture_end()
+    except Exception:
+        try:
+            torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except Exception:  # (it had ended: nothing to undo)
+            pass
+        raise
+
+
 CAPTURE_AT = 2  # a key is captured the second time it is seen: one-off shapes stay eager
 SHARED_POOLS = hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")  # (torch >= 2.5)
 MAX_GRAPHS = 512  # per CallGraphs; the oldest key goes first beyond it (a decode uses ~50, a training step ~150)
@@ -56,11 +93,12 @@ def _compute(call: Call, exact: bool) -> torch.Tensor:
 class CallGraphs:
     """The graphs of one data area's calls run on one stream."""
 
-    def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None):
+    def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None, capture_lock=None):
         """counters: core.Counters (graph_replays, graph_captures are counted there).
         side_stream: a warmed-up stream to capture on when the calls run on the legacy default
-        stream (which cannot be captured)."""
+        stream (which cannot be captured). capture_lock: held while capturing (areas.AreaPool.cuda_lock)."""
         self.device = device
+        self.capture_lock = capture_lock
         self.max_tokens = max_tokens
         self.counters = counters
         self._side_stream = side_stream
@@ -95,6 +133,8 @@ class CallGraphs:
         if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):
             try:
                 e.graph = self._capture(call, exact)
+            except CaptureBusy:  # (eager this time; captured at a later sight)
+                pass
             except Exception as ex:  # the eager ops serve it from now on
                 e.failed = True
                 log.warning("capturing a CUDA graph of %s %s failed (%s: %s); it runs eagerly",
@@ -138,7 +178,7 @@ class CallGraphs:
 
     def graph_for(self, call: Call, exact: bool) -> torch.cuda.CUDAGraph:
         """The graph of call's key, captured now if it has none (nothing runs); raises where it
-        cannot be (transports/programs.py: a step program is graphs only)."""
+        cannot be (transports/programs.py: a step program is graphs only), CaptureBusy where not now."""
         e = self._entry(call.graph_key)
         if e.graph is not None:
             return e.graph
@@ -164,17 +204,17 @@ class CallGraphs:
         # (a CallGraphs's calls are all on one stream; on the default stream only its captures use the pool)
         pool = self.capture_pool()
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.set_stream(on)
-        try:
-            # thread_local: the control thread may allocate meanwhile (an attach), which a global
-            # capture would refuse
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        with capturing(self.capture_lock):
+            torch.cuda.set_stream(on)
             try:
-                _compute(call, exact)
+                # thread_local: the control thread may run meanwhile, which a global capture would refuse
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    _compute(call, exact)
+                finally:
+                    end_capture(graph, self.device, pool)
             finally:
-                graph.capture_end()
-        finally:
-            torch.cuda.set_stream(stream)
+                torch.cuda.set_stream(stream)
         return graph
 
     def close(self) -> None:

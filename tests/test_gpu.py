@@ -921,22 +921,29 @@ def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str) -> dict
     return {seed: torch.load(tmp_path / f"{tag}-{seed}.pt") for seed in seeds}
 
 
+def _alone_then_together(tmp_path, url: str, mode: str, tenants: int = 4) -> tuple:
+    """tests/jobs/solo_job.py's `mode` in each of `tenants` processes alone, one after another,
+    then in all at once: (their results alone, together, the executor's stats before and after
+    the together part)."""
+    from symbiont import connect
+
+    solo = {}
+    for seed in range(tenants):
+        solo.update(_run_jobs(tmp_path, url, mode, [seed], f"solo{seed}"))
+    with connect(url) as conn:
+        before = conn.stats()
+    together = _run_jobs(tmp_path, url, mode, list(range(tenants)), "together")
+    with connect(url) as conn:
+        return solo, together, before, conn.stats()
+
+
 def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
     """Four same-GPU tenant processes decode at once on an executor that batches their calls
     before their inputs are in (--gpu-batches, every call batched that can be: --solo-tokens 0):
     calls meet in batches, and each tenant's greedy tokens equal its run alone on the same
     executor, its logits to the rounding of GEMMs batched with the others'."""
-    from symbiont import connect
-
     with running_executor("tiny-llama", "--device", "cuda:0", "--solo-tokens", "0", "--gpu-batches") as ex:
-        solo = {}
-        for seed in range(4):
-            solo.update(_run_jobs(tmp_path, ex.url, "generate", [seed], f"solo{seed}"))
-        with connect(ex.url) as conn:
-            before = conn.stats()
-        together = _run_jobs(tmp_path, ex.url, "generate", list(range(4)), "together")
-        with connect(ex.url) as conn:
-            stats = conn.stats()
+        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, "generate")
     calls, batches = stats.calls - before.calls, stats.batches - before.batches
     print(f"together: {calls} calls in {batches} batches, {stats.native_calls - before.native_calls} native")
     assert stats.errors == 0
@@ -955,17 +962,8 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path):
     over every tenant's row, transports/gangs.py), and each tenant's greedy tokens equal its run
     alone (no gang: its programs then run on its own stream) and the unsplit model's, its scores to
     the rounding of GEMMs batched with the others'."""
-    from symbiont import connect
-
     with running_executor("tiny-llama", "--device", "cuda:0") as ex:
-        solo = {}
-        for seed in range(4):
-            solo.update(_run_jobs(tmp_path, ex.url, "steps", [seed], f"solo{seed}"))
-        with connect(ex.url) as conn:
-            before = conn.stats()
-        together = _run_jobs(tmp_path, ex.url, "steps", list(range(4)), "together")
-        with connect(ex.url) as conn:
-            stats = conn.stats()
+        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, "steps")
     paths = dict(stats.call_paths)
     ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
     calls, batches = stats.calls - before.calls, stats.batches - before.batches

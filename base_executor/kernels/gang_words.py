@@ -57,22 +57,18 @@ def _kernels():
             tl.store(words, seq * 0 + value, mask=on)
 
     @triton.jit(do_not_specialize=["width", "col", "n"])
-    def gather(table, width, col, seqs, batch, n, BLOCK: tl.constexpr):
+    def copy_rows(table, width, col, seqs, batch, n, BLOCK: tl.constexpr, GATHER: tl.constexpr):
         slot = tl.program_id(0)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         on = (j < n) & (tl.load(seqs + slot) != 0)
         row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
-        tl.store(batch + slot.to(tl.int64) * n + j, tl.load(row + j, mask=on), mask=on)
+        mine = batch + slot.to(tl.int64) * n + j
+        if GATHER:
+            tl.store(mine, tl.load(row + j, mask=on), mask=on)
+        else:
+            tl.store(row + j, tl.load(mine, mask=on), mask=on)
 
-    @triton.jit(do_not_specialize=["width", "col", "n"])
-    def scatter(batch, table, width, col, seqs, n, BLOCK: tl.constexpr):
-        slot = tl.program_id(0)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        on = (j < n) & (tl.load(seqs + slot) != 0)
-        row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
-        tl.store(row + j, tl.load(batch + slot.to(tl.int64) * n + j, mask=on), mask=on)
-
-    return wait, write, gather, scatter
+    return wait, write, copy_rows
 
 
 def _block(slots: int) -> int:
@@ -96,18 +92,21 @@ def words_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8).view(torch.int32)
 
 
-def gather(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor) -> None:
-    """Queues: row s of batch (its first dimension split in seqs' slots) = the bytes at table[s, col]."""
+def _copy_rows(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor, gather: bool) -> None:
     slots = seqs.shape[0]
     n = batch.numel() * batch.element_size() // 4 // slots
-    _kernels()[2][(slots, triton_cdiv(n))](table, table.shape[1], col, seqs, words_of(batch), n, BLOCK=COPY_BLOCK)
+    _kernels()[2][(slots, triton_cdiv(n))](table, table.shape[1], col, seqs, words_of(batch), n, BLOCK=COPY_BLOCK,
+                                          GATHER=gather)
+
+
+def gather(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor) -> None:
+    """Queues: row s of batch (its first dimension split in seqs' slots) = the bytes at table[s, col]."""
+    _copy_rows(table, col, seqs, batch, True)
 
 
 def scatter(batch: torch.Tensor, table: torch.Tensor, col: int, seqs: torch.Tensor) -> None:
     """Queues: the bytes at table[s, col] = row s of batch."""
-    slots = seqs.shape[0]
-    n = batch.numel() * batch.element_size() // 4 // slots
-    _kernels()[3][(slots, triton_cdiv(n))](words_of(batch), table, table.shape[1], col, seqs, n, BLOCK=COPY_BLOCK)
+    _copy_rows(table, col, seqs, batch, False)
 
 
 def triton_cdiv(n: int) -> int:

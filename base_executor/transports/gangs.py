@@ -25,6 +25,7 @@ import logging
 import torch
 
 from symbiont.base_executor import runner
+from symbiont.base_executor.graphs import capturing, end_capture
 from symbiont.base_executor.kernels import gang_words
 from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import stream_write
@@ -159,47 +160,51 @@ class Gang:
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()]
         return set().union(*(ids for _, ids in self._flying))
 
-    def capture(self, lane: _Lane, exact: bool) -> None:
+    def capture(self, lane: _Lane, exact: bool, lock=None) -> None:
         """Captures the gang's round on a lane's stream, after running it once there with every
         slot sitting out (no round has run on the lane yet: its `seqs` is 0), which loads what the
-        capture may not."""
+        capture may not. `lock`: held meanwhile (graphs.capturing: CaptureBusy where it is not free)."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
         before = torch.cuda.current_stream(device)
-        torch.cuda.set_stream(lane.stream)
-        try:
-            batches = []
-            for c in self.calls:  # (on the lane's stream, kept by the lane even if the capture fails)
-                x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
-                y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
-                batches.append((x, y))
-            lane.batches = batches
-            seqs, table = lane.seqs, self.table
-
-            def round_() -> None:
-                gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
-                for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
-                    gang_words.wait(table, PROGRAM_IN, seqs, k)
-                    if k == n:  # (the next run's first wait must not pass on this run's last number)
-                        gang_words.write(table, PROGRAM_IN, seqs, 0)
-                    gang_words.gather(table, 4 + k - 1, seqs, x)
-                    runner.run(c.unit, c.op, x, exact, y)
-                    gang_words.scatter(y, table, 4 + n + k - 1, seqs)
-                    gang_words.write(table, PROGRAM_OUT, seqs, k)
-                gang_words.write(table, OUT_WORD, seqs, from_seq=True)
-
-            round_()
-            done = torch.cuda.Event()
-            done.record(lane.stream)
-            lane.done = done
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")
+        with capturing(lock):
+            torch.cuda.set_stream(lane.stream)
             try:
-                round_()
+                self._capture(lane, exact, n, slots, device)
             finally:
-                graph.capture_end()
+                torch.cuda.set_stream(before)
+
+    def _capture(self, lane: _Lane, exact: bool, n: int, slots: int, device: torch.device) -> None:
+        batches = []
+        for c in self.calls:  # (on the lane's stream, kept by the lane even if the capture fails)
+            x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
+            y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
+            batches.append((x, y))
+        lane.batches = batches
+        seqs, table = lane.seqs, self.table
+
+        def round_() -> None:
+            gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
+            for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
+                gang_words.wait(table, PROGRAM_IN, seqs, k)
+                if k == n:  # (the next run's first wait must not pass on this run's last number)
+                    gang_words.write(table, PROGRAM_IN, seqs, 0)
+                gang_words.gather(table, 4 + k - 1, seqs, x)
+                runner.run(c.unit, c.op, x, exact, y)
+                gang_words.scatter(y, table, 4 + n + k - 1, seqs)
+                gang_words.write(table, PROGRAM_OUT, seqs, k)
+            gang_words.write(table, OUT_WORD, seqs, from_seq=True)
+
+        round_()
+        done = torch.cuda.Event()
+        done.record(lane.stream)
+        lane.done = done
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            round_()
         finally:
-            torch.cuda.set_stream(before)
+            end_capture(graph, device, pool)
         lane.graph = graph
 
     def run(self, lane: _Lane, seqs: dict[int, int], tenants: set, now: float) -> torch.cuda.Event:

@@ -27,6 +27,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError
+from symbiont.base_executor.graphs import CaptureBusy
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import GANG, PROGRAM
 from symbiont.base_executor.transports.gangs import Gang, LaneStream, gang_key
@@ -122,6 +123,9 @@ class LocalPrograms:
                 continue
             try:
                 job.reply = self._capture_program(t, job.requests)
+            except CaptureBusy:  # (a mailbox's GPU side is being made: not while capturing)
+                job.reply = pb.ControlReply(status=pb.Status(code=pb.RETRY_LATER, retry_after_us=20_000, message=(
+                    "the executor is making a mailbox: define the program again")))
             except CallError as e:
                 job.reply = control_error(e.code, e.message)
             except Exception as e:  # (its tenant's steps run eagerly: the client falls back)
@@ -359,25 +363,25 @@ class LocalPrograms:
         return min(due) if due else None
 
     def _launch_gang(self, gang: Gang, lane) -> None:
+        if lane.graph is None:
+            try:
+                gang.capture(lane, self.core.scheduler.config.exact, self.areas.cuda_lock)
+            except CaptureBusy:  # (its runs wait for the next look)
+                return
+            except Exception:
+                lane.failures += 1
+                log.exception("a gang's round could not be captured (%d of %d tries)", lane.failures, CAPTURE_TRIES)
+                self._gang_runs_alone(gang, lane)
+                return
         runs, gang.pending = list(gang.pending.values()), {}
         now = time.monotonic()
         try:
-            if lane.graph is None:
-                gang.capture(lane, self.core.scheduler.config.exact)
             done = gang.run(lane, {prog.gang_slot: req.input_seq for _, req, prog in runs}, {t.id for t, _, _ in runs}, now)
-        except Exception:  # (these runs go alone; after CAPTURE_TRIES, every run of the gang's programs)
-            lane.failures += 1
-            log.exception("a gang's round could not be captured or queued (%d of %d tries)", lane.failures, CAPTURE_TRIES)
-            if lane.failures >= CAPTURE_TRIES:
-                self._gang_failed.add(gang.key)
-                self._retire_gang(gang)
-            for t, req, _ in runs:
-                t.areas.gang_run = False
-                try:
-                    self._run_program(t, req, False, alone=True)
-                except Exception as e:
-                    log.exception("tenant %d's run failed alone too", t.id)
-                    self._reclaim(t, f"internal error on its run: {type(e).__name__}: {e}", release=True)
+        except Exception:  # (the runs go alone; the gang with them: a round that cannot be queued)
+            log.exception("a gang's round could not be queued")
+            gang.pending = {run[0].id: run for run in runs}
+            lane.failures = CAPTURE_TRIES
+            self._gang_runs_alone(gang, lane)
             return
         k = self.core.counters
         members = [(t, req.input_seq) for t, req, _ in runs]
@@ -401,6 +405,21 @@ class LocalPrograms:
         for c in gang.calls:
             self.core.count(c.unit, c.op, n, 1, n * c.tokens, c.latency)
         k.graph_replays += 1
+
+    def _gang_runs_alone(self, gang: Gang, lane) -> None:
+        """After a failure of a gang's lane: the runs waiting in the gang run alone; after
+        CAPTURE_TRIES failures the gang goes (its programs run alone from then on)."""
+        runs, gang.pending = list(gang.pending.values()), {}
+        if lane.failures >= CAPTURE_TRIES:
+            self._gang_failed.add(gang.key)
+            self._retire_gang(gang)
+        for t, req, _ in runs:
+            t.areas.gang_run = False
+            try:
+                self._run_program(t, req, False, alone=True)
+            except Exception as e:
+                log.exception("tenant %d's run failed alone too", t.id)
+                self._reclaim(t, f"internal error on its run: {type(e).__name__}: {e}", release=True)
 
     def _holds_its_round(self, t: Tenant) -> bool:
         """Whether t, waited for past the stall timeout, is what holds the gang round it is in (so
