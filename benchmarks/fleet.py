@@ -196,9 +196,11 @@ def run_profiled(workers: list[list[str]], seconds: float, names: list[str], tok
     (its process, the profile file it was started with). Prints the summary, writes it (JSON), the
     raw spans (JSON, gzip) and a timeline slice (PNG) as out/STEM_*, and returns the summary."""
     import gzip
+    import re
 
     import fleet_timeline
 
+    stem = re.sub(r"[^A-Za-z0-9_.=+-]+", "-", stem)  # (a name the device's file return takes: no commas, no spaces)
     paths = [out / f"{stem}_{i}.profile.json" for i in range(len(workers))]
     for path in paths:
         path.unlink(missing_ok=True)

@@ -11,6 +11,9 @@ executor records through benchmarks/profiled_serve.py, told by signals (`Executo
 - how much kernel time each process put on it, per 1000 tokens, by kind of kernel (GEMM,
   attention, elementwise, copies, ...): the GPU work one token costs each side;
 - the mean concurrency (kernel time over busy time: what MPS or the executor's streams overlapped);
+- the same without the word waits: the one-thread kernels that spin until a mailbox word reaches a
+  number (a step program's handovers, client/transports/graph_words.py, base_executor/kernels/
+  gang_words.py) are kernels too, so with them the GPU reads busy while it waits;
 - each process's CPU use over the window.
 
 `plot` draws a slice of the window, one row per process, kernels coloured by kind.
@@ -38,8 +41,13 @@ KINDS = (  # (the first whose word the kernel's name holds)
 )
 
 
+WORD_WAITS = ("wait",)  # kernels that spin on a mailbox word (their whole names)
+
+
 def kind_of(name: str) -> str:
     low = name.lower()
+    if low in WORD_WAITS:
+        return "word wait"
     for kind, words in KINDS:
         if any(w in low for w in words):
             return kind
@@ -191,6 +199,8 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
             "gaps_us": gap_bands(spans),
         }
     busy = _union_ms(every)
+    working = _union_ms([sp for sp in every if kind_of(sp[2]) != "word wait"])
+    waits = sum(e - s for s, e, n in every if kind_of(n) == "word wait") / 1e3
     total_kernel = sum(r["kernel_ms"] for r in rows.values())
     kinds = collections.Counter()
     for r in rows.values():
@@ -198,6 +208,8 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
     return {
         "window_ms": window_ms, "tokens_in_window": tokens, "gpu_busy_share": busy / window_ms,
         "mean_concurrency": total_kernel / busy if busy else float("nan"),
+        "gpu_working_share": working / window_ms,  # (the word waits left out)
+        "working_concurrency": (total_kernel - waits) / working if working else float("nan"),
         "kernel_ms_per_1k_tokens": 1e3 * total_kernel / tokens if tokens else float("nan"),
         "by_kind_ms_per_1k_tokens": dict(kinds.most_common()), "processes": rows, "window_us": [lo, hi],
     }
@@ -206,7 +218,8 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
 def report(title: str, s: dict) -> str:
     lines = [f"{title}: window {s['window_ms']:.1f} ms, {s['tokens_in_window']:.0f} tokens; GPU busy "
              f"{100 * s['gpu_busy_share']:.1f}% (union of all), mean concurrency {s['mean_concurrency']:.2f}; "
-             f"kernel ms per 1k tokens {s['kernel_ms_per_1k_tokens']:.2f}",
+             f"kernel ms per 1k tokens {s['kernel_ms_per_1k_tokens']:.2f}; without the word waits: busy "
+             f"{100 * s['gpu_working_share']:.1f}%, mean concurrency {s['working_concurrency']:.2f}",
              "    by kind, all processes: " + ", ".join(f"{k} {v:.2f}" for k, v in s["by_kind_ms_per_1k_tokens"].items())]
     for who, r in s["processes"].items():
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms_per_1k_tokens"].items())[:5])

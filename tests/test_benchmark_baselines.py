@@ -125,3 +125,23 @@ def test_s9_adapters_on_every_attention_projection_load_into_peft():
     assert sorted(default) == sorted(u for u in weights if u.endswith(("q_proj", "v_proj")))
     with pytest.raises(ValueError, match="not on gate_proj"):
         s9_adapters.adapter_weights(config, 3, targets=("q_proj", "gate_proj"))
+
+
+def test_a_fleet_timeline_tells_the_word_waits_from_work():
+    """fleet_timeline.summarise: a tenant's one-thread kernel spinning on a mailbox word (named
+    `wait`) makes the GPU read busy for the whole window; without the word waits, it was busy only
+    while the GEMMs ran (two 10 ms GEMMs of two processes overlapping by 5 ms: 15 of 100 ms)."""
+    import fleet_timeline
+
+    ms = 1000  # (spans are in µs)
+    parts = {
+        "tenant 0": {"spans": [(0, 100 * ms, "wait"), (10 * ms, 20 * ms, "nvjet_gemm")], "units": 10, "wall_s": 1.0, "cpu_s": 0.5},
+        "process 0": {"spans": [(0, 1, "fill"), (15 * ms, 25 * ms, "cutlass_gemm"), (100 * ms - 1, 100 * ms, "fill")],
+                      "units": 10, "wall_s": 1.0, "cpu_s": 0.5},
+    }
+    s = fleet_timeline.summarise(parts, 1)
+    assert fleet_timeline.kind_of("wait") == "word wait" and fleet_timeline.kind_of("wait_for_it_gemm") == "gemm"
+    assert s["gpu_busy_share"] == pytest.approx(1.0)
+    assert s["gpu_working_share"] == pytest.approx(0.15, abs=1e-4)
+    assert s["working_concurrency"] == pytest.approx(20 / 15, abs=1e-3)
+    assert "without the word waits: busy 15.0%" in fleet_timeline.report("t", s)
