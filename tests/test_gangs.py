@@ -1,0 +1,56 @@
+"""Gangs of step programs (base_executor/transports/gangs.py) on the CPU: which programs may share
+a gang (their calls' units, ops, shapes and dtypes; no hosted adapter), and the capture lock the
+data loop never waits for. Rounds themselves run on a GPU only (tests/test_gpu.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from symbiont.base_executor.graphs import CaptureBusy, capturing
+from symbiont.base_executor.transports.gangs import MAX_ROW_BYTES, gang_key
+from symbiont.proto import executor_pb2 as pb
+from tests.test_scheduler import Q, call, core_for
+from tests.test_scheduler import model  # noqa: F401  (the fixture)
+
+
+def _program(core, tokens=1, seed=0):
+    """A step program's calls as the executor holds them: x and out views of one mailbox."""
+    c = call(core, 1, Q, tokens, t=0.0, latency=pb.INFERENCE, seed=seed)
+    c.out = torch.empty(tokens, c.unit.out_features)
+    return [c]
+
+
+def test_programs_of_the_same_calls_share_a_key_and_others_do_not(model):  # noqa: F811  (the fixture)
+    core = core_for(model)
+    a, b = _program(core, seed=1), _program(core, seed=2)  # (two tenants' mailboxes: other addresses)
+    assert gang_key(a) is not None and gang_key(a) == gang_key(b)
+    assert gang_key(_program(core, tokens=2)) != gang_key(a)  # (other shapes: another gang)
+    hosted = _program(core)
+    hosted[0].adapter = object()  # (a hosted adapter's delta: its calls are computed alone)
+    assert gang_key(hosted) is None
+    merged = _program(core)
+    merged[0].merge_epoch = 3
+    assert gang_key(merged) is None
+    big = _program(core, tokens=MAX_ROW_BYTES // (4 * 64) + 1)  # (a row over MAX_ROW_BYTES: not copied by a gang)
+    assert gang_key(big) is None
+    odd = _program(core, tokens=2)
+    odd[0].x = odd[0].x.t()  # (not contiguous)
+    assert gang_key(odd) is None
+
+
+def test_a_capture_never_waits_for_the_lock_it_takes():
+    lock = threading.Lock()
+    with capturing(lock):
+        assert lock.locked()
+        with pytest.raises(CaptureBusy):  # (held: the data loop does not wait, it captures later)
+            with capturing(lock):
+                pass
+    assert not lock.locked()
+    with pytest.raises(ValueError):
+        with capturing(lock):
+            raise ValueError("a failed capture")
+    assert not lock.locked()  # (released on failure too)
+    with capturing(None):
+        pass
