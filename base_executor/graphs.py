@@ -17,6 +17,8 @@ time its key is seen, always beyond `max_tokens`, and where capture fails.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import torch
@@ -29,41 +31,45 @@ from symbiont.proto import executor_pb2 as pb
 
 log = logging.getLogger("base_executor")
 
-class CaptureBusy(Exception):
-    """A capture not made now: a mailbox's GPU side is being made meanwhile (capture_lock held)."""
 
-
-def capturing(lock):
-    """Context manager of a capture: holds `lock` (None: none) or raises CaptureBusy at once."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def held():
-        if lock is None:
-            yield
-            return
-        if not lock.acquire(blocking=False):
-            raise CaptureBusy()
-        try:
-            yield
-        finally:
-            lock.release()
-
-    return held()
-
-
-def end_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
-    """graph.capture_end(); where it fails (an invalidated capture), the allocator is told the
-    capture's pool records no more (torch's capture_end does not get there then: every later use
-    of the pool, a graph's or use_mem_pool's, would fail), and the error raised."""
+@contextlib.contextmanager
+def capture_guard():
+    """Around a capture: no garbage collection meanwhile. A collection there may destroy CUDA graphs
+    of reference cycles (a detached tenant's), which the driver refuses while this thread captures,
+    and that refusal invalidates the capture (session 48, calls 2 and 5: "operation not permitted
+    when stream is capturing (function reset)")."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        graph.capture_end()
-    except Exception:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool, body) -> None:
+    """Captures body() into graph (on the current stream, into `pool`). Where the capture fails, the
+    allocator is told the pool records no more (torch's capture_end raises before it ends that:
+    every later use of the pool, a graph's or use_mem_pool's, would fail) and given back its use of
+    the pool; the error is raised, and the caller captures into that pool no more (torch may still
+    hold a host-side recording of it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with capture_guard():
         try:
-            torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(), pool)
-        except Exception:  # (it had ended: nothing to undo)
-            pass
-        raise
+            # thread_local: the control thread may run meanwhile, which a global capture would refuse
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        except Exception:
+            try:
+                torch._C._cuda_endAllocateToPool(index, pool)
+            except Exception:  # (it had ended, or never begun: nothing to give back)
+                pass
+            else:
+                torch._C._cuda_releasePool(index, pool)
+            raise
 
 
 CAPTURE_AT = 2  # a key is captured the second time it is seen: one-off shapes stay eager
@@ -93,12 +99,11 @@ def _compute(call: Call, exact: bool) -> torch.Tensor:
 class CallGraphs:
     """The graphs of one data area's calls run on one stream."""
 
-    def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None, capture_lock=None):
+    def __init__(self, device: torch.device, max_tokens: int, counters, side_stream=None):
         """counters: core.Counters (graph_replays, graph_captures are counted there).
         side_stream: a warmed-up stream to capture on when the calls run on the legacy default
-        stream (which cannot be captured). capture_lock: held while capturing (areas.AreaPool.cuda_lock)."""
+        stream (which cannot be captured)."""
         self.device = device
-        self.capture_lock = capture_lock
         self.max_tokens = max_tokens
         self.counters = counters
         self._side_stream = side_stream
@@ -133,8 +138,6 @@ class CallGraphs:
         if e.seen >= CAPTURE_AT and not e.failed and self._capturable(call):
             try:
                 e.graph = self._capture(call, exact)
-            except CaptureBusy:  # (eager this time; captured at a later sight)
-                pass
             except Exception as ex:  # the eager ops serve it from now on
                 e.failed = True
                 log.warning("capturing a CUDA graph of %s %s failed (%s: %s); it runs eagerly",
@@ -178,7 +181,7 @@ class CallGraphs:
 
     def graph_for(self, call: Call, exact: bool) -> torch.cuda.CUDAGraph:
         """The graph of call's key, captured now if it has none (nothing runs); raises where it
-        cannot be (transports/programs.py: a step program is graphs only), CaptureBusy where not now."""
+        cannot be (transports/programs.py: a step program is graphs only)."""
         e = self._entry(call.graph_key)
         if e.graph is not None:
             return e.graph
@@ -204,17 +207,14 @@ class CallGraphs:
         # (a CallGraphs's calls are all on one stream; on the default stream only its captures use the pool)
         pool = self.capture_pool()
         graph = torch.cuda.CUDAGraph()
-        with capturing(self.capture_lock):
-            torch.cuda.set_stream(on)
-            try:
-                # thread_local: the control thread may run meanwhile, which a global capture would refuse
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    _compute(call, exact)
-                finally:
-                    end_capture(graph, self.device, pool)
-            finally:
-                torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(on)
+        try:
+            capture(graph, self.device, pool, lambda: _compute(call, exact))
+        except Exception:
+            self._pool = None  # (a failed capture's pool is not captured into again: a fresh one from now on)
+            raise
+        finally:
+            torch.cuda.set_stream(stream)
         return graph
 
     def close(self) -> None:

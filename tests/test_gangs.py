@@ -1,14 +1,14 @@
 """Gangs of step programs (base_executor/transports/gangs.py) on the CPU: which programs may share
-a gang (their calls' units, ops, shapes and dtypes; no hosted adapter), and the capture lock the
-data loop never waits for. Rounds themselves run on a GPU only (tests/test_gpu.py)."""
+a gang (their calls' units, ops, shapes and dtypes; no hosted adapter), and no garbage collection
+during a capture. Rounds themselves run on a GPU only (tests/test_gpu.py)."""
 from __future__ import annotations
 
-import threading
+import gc
 
 import pytest
 import torch
 
-from symbiont.base_executor.graphs import CaptureBusy, capturing
+from symbiont.base_executor.graphs import capture_guard
 from symbiont.base_executor.transports.gangs import MAX_ROW_BYTES, gang_key
 from symbiont.proto import executor_pb2 as pb
 from tests.test_scheduler import Q, call, core_for
@@ -40,17 +40,22 @@ def test_programs_of_the_same_calls_share_a_key_and_others_do_not(model):  # noq
     assert gang_key(odd) is None
 
 
-def test_a_capture_never_waits_for_the_lock_it_takes():
-    lock = threading.Lock()
-    with capturing(lock):
-        assert lock.locked()
-        with pytest.raises(CaptureBusy):  # (held: the data loop does not wait, it captures later)
-            with capturing(lock):
-                pass
-    assert not lock.locked()
+def test_no_garbage_collection_runs_while_a_graph_is_captured():
+    """graphs.capture_guard: a collection inside a capture may destroy CUDA graphs of reference
+    cycles, which invalidates the capture (session 48); it is off meanwhile and back after, also
+    when the capture fails, and stays off where the caller had it off."""
+    assert gc.isenabled()
+    with capture_guard():
+        assert not gc.isenabled()
+    assert gc.isenabled()
     with pytest.raises(ValueError):
-        with capturing(lock):
+        with capture_guard():
             raise ValueError("a failed capture")
-    assert not lock.locked()  # (released on failure too)
-    with capturing(None):
-        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with capture_guard():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -142,10 +142,6 @@ class AreaPool:
         self.name = name
         self.device = device
         self._lock = threading.Lock()  # attach and grow come on the control thread
-        # held while a mailbox's GPU side is made (control thread) and while the data loop captures
-        # a CUDA graph, which the data loop never waits for (graphs.CaptureBusy): a capture
-        # overlapping an attach's allocations was invalidated (benchmarks/RESULTS.md, session 48)
-        self.cuda_lock = threading.Lock()
         self._retired: list[tuple[Areas, Owner]] = []  # released by the data loop
         self._parked: dict[Owner, list] = {}  # device regions their owner may still map
 
@@ -155,16 +151,15 @@ class AreaPool:
         fd, mem = mailbox.create_region(f"symbiont-{self.name}-t{tid}", mailbox.Mailbox.total_bytes(host_bytes))
         areas = Areas(fd, mailbox.Mailbox(mem, host_bytes))
         try:
-            with self.cuda_lock:
-                if on_gpu:
-                    areas.gpu = self._region(owner, data_bytes)
-                    self._map_words(areas)
-                elif self.device.type == "cuda" and host_bytes:
-                    from symbiont.proto.cuda_ipc import pin_host
+            if on_gpu:
+                areas.gpu = self._region(owner, data_bytes)
+                self._map_words(areas)
+            elif self.device.type == "cuda" and host_bytes:
+                from symbiont.proto.cuda_ipc import pin_host
 
-                    base = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()  # no buffer export is kept
-                    pin_host(self.device, base, len(mem))
-                    areas.pinned = base
+                base = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()  # no buffer export is kept
+                pin_host(self.device, base, len(mem))
+                areas.pinned = base
         except BaseException:
             areas.box.close()
             os.close(fd)
@@ -228,6 +223,8 @@ class AreaPool:
                     areas.box.release_program(output=False)
                     time.sleep(1e-4)
                 areas.stream.synchronize()  # past its wait on the words page: nothing reads it then
+                areas.programs.clear()  # (its programs go now, not with a garbage collection: graphs.capture_guard)
+                areas.dropped = []
                 torch.cuda.current_stream(self.device).synchronize()  # a result's word write may be queued there
                 drop_stream(self.device, areas.stream)
                 areas.stream = None

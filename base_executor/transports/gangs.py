@@ -25,7 +25,7 @@ import logging
 import torch
 
 from symbiont.base_executor import runner
-from symbiont.base_executor.graphs import capturing, end_capture
+from symbiont.base_executor.graphs import capture
 from symbiont.base_executor.kernels import gang_words
 from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import stream_write
@@ -160,19 +160,18 @@ class Gang:
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()]
         return set().union(*(ids for _, ids in self._flying))
 
-    def capture(self, lane: _Lane, exact: bool, lock=None) -> None:
+    def capture(self, lane: _Lane, exact: bool) -> None:
         """Captures the gang's round on a lane's stream, after running it once there with every
         slot sitting out (no round has run on the lane yet: its `seqs` is 0), which loads what the
-        capture may not. `lock`: held meanwhile (graphs.capturing: CaptureBusy where it is not free)."""
+        capture may not."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
         before = torch.cuda.current_stream(device)
-        with capturing(lock):
-            torch.cuda.set_stream(lane.stream)
-            try:
-                self._capture(lane, exact, n, slots, device)
-            finally:
-                torch.cuda.set_stream(before)
+        torch.cuda.set_stream(lane.stream)
+        try:
+            self._capture(lane, exact, n, slots, device)
+        finally:
+            torch.cuda.set_stream(before)
 
     def _capture(self, lane: _Lane, exact: bool, n: int, slots: int, device: torch.device) -> None:
         batches = []
@@ -199,12 +198,8 @@ class Gang:
         done = torch.cuda.Event()
         done.record(lane.stream)
         lane.done = done
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            round_()
-        finally:
-            end_capture(graph, device, pool)
+        graph = torch.cuda.CUDAGraph()
+        capture(graph, device, torch.cuda.graph_pool_handle(), round_)  # (a fresh pool each try)
         lane.graph = graph
 
     def run(self, lane: _Lane, seqs: dict[int, int], tenants: set, now: float) -> torch.cuda.Event:

@@ -108,8 +108,7 @@ class LocalCalls:
         loop's; None when graphs are off."""
         graphs = areas.own_graphs if own else areas.graphs
         if graphs is None and self.config.graph_tokens:
-            graphs = CallGraphs(self.core.device, self.config.graph_tokens, self.core.counters, self._capture_stream,
-                                self.areas.cuda_lock)
+            graphs = CallGraphs(self.core.device, self.config.graph_tokens, self.core.counters, self._capture_stream)
             if own:
                 areas.own_graphs = graphs
             else:

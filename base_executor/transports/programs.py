@@ -27,7 +27,6 @@ import torch
 from google.protobuf.message import DecodeError
 
 from symbiont.base_executor.core import CallError
-from symbiont.base_executor.graphs import CaptureBusy
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import GANG, PROGRAM
 from symbiont.base_executor.transports.gangs import Gang, LaneStream, gang_key
@@ -123,9 +122,6 @@ class LocalPrograms:
                 continue
             try:
                 job.reply = self._capture_program(t, job.requests)
-            except CaptureBusy:  # (a mailbox's GPU side is being made: not while capturing)
-                job.reply = pb.ControlReply(status=pb.Status(code=pb.RETRY_LATER, retry_after_us=20_000, message=(
-                    "the executor is making a mailbox: define the program again")))
             except CallError as e:
                 job.reply = control_error(e.code, e.message)
             except Exception as e:  # (its tenant's steps run eagerly: the client falls back)
@@ -365,9 +361,7 @@ class LocalPrograms:
     def _launch_gang(self, gang: Gang, lane) -> None:
         if lane.graph is None:
             try:
-                gang.capture(lane, self.core.scheduler.config.exact, self.areas.cuda_lock)
-            except CaptureBusy:  # (its runs wait for the next look)
-                return
+                gang.capture(lane, self.core.scheduler.config.exact)
             except Exception:
                 lane.failures += 1
                 log.exception("a gang's round could not be captured (%d of %d tries)", lane.failures, CAPTURE_TRIES)
