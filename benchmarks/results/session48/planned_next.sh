@@ -1,8 +1,9 @@
 . benchmarks/gpu_host_setup.sh; export PYTHONFAULTHANDLER=1
 # NOT RUN in session 48 (no device time left): the next session's first call, as planned then.
 # (1) The GPU tests of everything after call 3 (430f6c5): the review's fixes to gangs (shared lane streams, setup
-# stream, slot reuse, stall detection), the capture lock and end_capture (6d40109: call 5's gang test failed on a
-# capture invalidated during attaches), the unified copy kernel; with the step-graph and stalled-tenant tests.
+# stream, slot reuse, stall detection), the capture fixes (24d3638: no garbage collection during a capture, a failed
+# capture's pool ended and not reused; call 5's gang test failed on a capture a collection invalidated), the unified
+# copy kernel; with the step-graph and stalled-tenant tests.
 # (2) S3 at N = 16, gangs against the processes, with a GPU timeline of the gang fleet whose summary now leaves the
 # word-wait kernels out (fleet_timeline: where a round's 22-25 ms a token go).
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt; nproc >> $OUT/gpu.txt
