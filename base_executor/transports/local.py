@@ -254,7 +254,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                 # costs ~1 us, draining it ~5 us of Python and a GIL release in its lane)
                 got = sum(self._drain_safely(t, stopping) for t in tenants
                           if t.held is not None or t.box.requests.pending() or t.areas.program_jobs or t.areas.wants_warm)
-            if self._gangs:
+            if self._gangs or self._gangs_retired:
                 with self.lock:
                     got += self._launch_gangs(time.monotonic(), stopping)
             got += self._drain_remote(stopping)
