@@ -14,6 +14,8 @@ executor records through benchmarks/profiled_serve.py, told by signals (`Executo
 - the same without the word waits: the one-thread kernels that spin until a mailbox word reaches a
   number (a step program's handovers, client/transports/graph_words.py, base_executor/kernels/
   gang_words.py) are kernels too, so with them the GPU reads busy while it waits;
+- kernels launched per token, all processes together (the rate of small kernels under MPS may be
+  what many decoding tenants share);
 - each process's CPU use over the window.
 
 `plot` draws a slice of the window, one row per process, kernels coloured by kind.
@@ -209,6 +211,7 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
         "window_ms": window_ms, "tokens_in_window": tokens, "gpu_busy_share": busy / window_ms,
         "mean_concurrency": total_kernel / busy if busy else float("nan"),
         "gpu_working_share": working / window_ms,  # (the word waits left out)
+        "launches_per_token": len(every) / tokens if tokens else float("nan"),
         "working_concurrency": (total_kernel - waits) / working if working else float("nan"),
         "kernel_ms_per_1k_tokens": 1e3 * total_kernel / tokens if tokens else float("nan"),
         "by_kind_ms_per_1k_tokens": dict(kinds.most_common()), "processes": rows, "window_us": [lo, hi],
@@ -219,7 +222,8 @@ def report(title: str, s: dict) -> str:
     lines = [f"{title}: window {s['window_ms']:.1f} ms, {s['tokens_in_window']:.0f} tokens; GPU busy "
              f"{100 * s['gpu_busy_share']:.1f}% (union of all), mean concurrency {s['mean_concurrency']:.2f}; "
              f"kernel ms per 1k tokens {s['kernel_ms_per_1k_tokens']:.2f}; without the word waits: busy "
-             f"{100 * s['gpu_working_share']:.1f}%, mean concurrency {s['working_concurrency']:.2f}",
+             f"{100 * s['gpu_working_share']:.1f}%, mean concurrency {s['working_concurrency']:.2f}; "
+             f"{s['launches_per_token']:.0f} kernels a token",
              "    by kind, all processes: " + ", ".join(f"{k} {v:.2f}" for k, v in s["by_kind_ms_per_1k_tokens"].items())]
     for who, r in s["processes"].items():
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(r["by_kind_ms_per_1k_tokens"].items())[:5])

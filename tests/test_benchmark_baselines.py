@@ -144,4 +144,5 @@ def test_a_fleet_timeline_tells_the_word_waits_from_work():
     assert s["gpu_busy_share"] == pytest.approx(1.0)
     assert s["gpu_working_share"] == pytest.approx(0.15, abs=1e-4)
     assert s["working_concurrency"] == pytest.approx(20 / 15, abs=1e-3)
+    assert s["launches_per_token"] == pytest.approx(5 / 2)  # (five kernels; each worker's 10 tokens a second over 0.1 s)
     assert "without the word waits: busy 15.0%" in fleet_timeline.report("t", s)
