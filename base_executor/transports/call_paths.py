@@ -7,8 +7,8 @@ tenant's own stream (OWN; HELD_OWN after waiting on the host behind a queued cal
 held until their input was in and then queued for the scheduler (HELD_QUEUED), queued with their
 input in (QUEUED), or queued before it (AHEAD,
 `serve --gpu-batches`), or run as a step program's run from Python (PROGRAM; the lane's runs count
-as NATIVE; GANG: in a gang's round with other tenants' runs, transports/gangs.py). Other tenants' calls: from a host mailbox (MAILBOX: CPU tenants), or from a
-remote transport (REMOTE: gRPC).
+as NATIVE; GANG: in a gang's round with other tenants' runs, transports/gangs.py). Other tenants'
+calls: from a host mailbox (MAILBOX: CPU tenants), or from a remote transport (REMOTE: gRPC).
 """
 NATIVE = "native lane"
 LATE = "native lane, input in first"

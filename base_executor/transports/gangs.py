@@ -20,8 +20,6 @@ results are within the batching tolerance of its lone ones (README), its greedy 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from symbiont.base_executor import runner
@@ -30,11 +28,7 @@ from symbiont.base_executor.kernels import gang_words
 from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import stream_write
 
-log = logging.getLogger("base_executor")
-
 IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
-
-
 MAX_ROW_BYTES = 1 << 20  # a call's input or output row of one tenant that a gang copies, at most
 
 
@@ -106,7 +100,6 @@ class Gang:
         self.since = 0.0  # when the oldest pending run came
         self.active: dict[int, float] = {}  # tenant id -> when its last round was queued
         self._flying: list = []  # (event, tenant ids) of rounds queued and maybe not done
-        self.rounds = 0
 
     def _after_setup(self) -> None:
         """Every lane's stream waits (on the GPU) for what is queued on `setup` so far."""
@@ -226,5 +219,4 @@ class Gang:
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()] + [(done, tenants)]
         for tid in tenants:
             self.active[tid] = now
-        self.rounds += 1
         return done

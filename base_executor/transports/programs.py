@@ -213,7 +213,8 @@ class LocalPrograms:
             self._reply_error(t, req.call_id, why)
             return
         gang = prog.gang
-        if gang is not None and not alone and len(gang.tenants()) > 1:  # (its next round runs it: _launch_gangs)
+        ganged = gang is not None and len(gang.tenants()) > 1
+        if ganged and not alone:  # (its next round runs it: _launch_gangs)
             if not gang.pending:
                 gang.since = time.monotonic()
             gang.pending[t.id] = (t, req, prog)
@@ -240,7 +241,7 @@ class LocalPrograms:
         self.paths[PROGRAM] += 1
         for call in prog.counts.calls:
             self._count_lone(call, 1)
-        if self.config.native_serve and not self._native_failed and not prog.header and not (gang is not None and len(gang.tenants()) > 1):
+        if self.config.native_serve and not self._native_failed and not prog.header and not ganged:
             lane = self._lane(t, areas.own_graphs)
             if lane is not None:
                 request = pb.CallRequest()
@@ -288,11 +289,16 @@ class LocalPrograms:
         key = gang_key(prog.calls) if self._gang_streams else None
         if key is None or key in self._gang_failed:
             return
-        gang = next((g for g in self._gangs if g.key == key and g.free_slot() is not None), None)
+        gang = slot = None
+        for g in self._gangs:
+            if g.key == key and (slot := g.free_slot()) is not None:
+                gang = g
+                break
         if gang is None:
             gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self._gang_setup, self.core.device)
             self._gangs.append(gang)
-        gang.join(gang.free_slot(), prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
+            slot = 0
+        gang.join(slot, prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
         if len(gang.tenants()) > 1:
             for member in gang.members.values():
                 if member.header and member.tenant.areas.lane is not None:
