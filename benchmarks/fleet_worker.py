@@ -74,7 +74,7 @@ def build(a):
     conn = connect(a.url, name=f"{a.role}-{a.index}", spin_us=a.spin_us)  # (calls under no_grad go in the inference class)
     if a.wait_replies:  # (same GPU: the host waits for each reply; nothing of ours waits on the GPU)
         conn.transport.return_early = False
-    return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss, step_graphs=a.step_graphs), conn
+    return conn.model(device=device, attn_implementation="sdpa", lm_loss=a.lm_loss, step_graphs=_step_graphs(a)), conn
 
 
 def lora(model, rank: int, targets: list[str], name: str = "default", into=None):
@@ -151,6 +151,10 @@ def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
     return {"start": start, "ends": ends, "tokens_per_step": a.batch * a.seq}
 
 
+def _step_graphs(a):
+    return "compiled" if a.step_graphs and a.compiled_steps else a.step_graphs
+
+
 def infer(a, model, deadline_of, rows: int = 1, adapter_names=None, tick=None) -> dict:
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     vocab = model.config.vocab_size
@@ -216,7 +220,7 @@ def prepare(a):
         conn.host_adapter(name, model, device=a.device)
         del model
         model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=name, lm_loss=a.lm_loss,
-                           step_graphs=a.step_graphs)
+                           step_graphs=_step_graphs(a))
     if a.role == "finetune":
         model.train()
         if a.checkpointing:  # (each layer's activations recomputed in backward: a tenant's forward calls twice)
@@ -349,6 +353,8 @@ def main() -> int:
                    "sleeping (connect(spin_us=); default: by placement)")
     p.add_argument("--step-graphs", action="store_true", help="symbiont infer on the executor's GPU: decoding steps "
                    "replayed as CUDA graphs with their calls as step programs (a static cache; client/step_graphs.py)")
+    p.add_argument("--compiled-steps", action="store_true", help="with --step-graphs: the steps captured from the "
+                   "forward compiled by torch.compile (step_graphs='compiled')")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")

@@ -182,7 +182,7 @@ class Connection:
         whole_mlp: bool = True,
         adapter: str | None = None,
         lm_loss: str = "fused",
-        step_graphs: bool = False,
+        step_graphs: bool | str = False,
     ) -> nn.Module:
         """The tenant's model built from the executor's skeleton alone, already virtualized and
         attached: no checkpoint on this side, and the units' weights are never materialised

@@ -28,12 +28,20 @@ copies the step's inputs in, sends one request, and launches one graph.
   attention makes its mask's zero with `torch.tensor(0.0, device=...)`) is copied from a
   page-locked copy while capturing (a graph may copy only from page-locked memory), kept as long
   as the graph.
+- **Compiled** (`step_graphs="compiled"`): the step is captured from the model's forward compiled
+  by torch.compile (inductor, `dynamic=False`), whose fused kernels make a token far fewer launches
+  than eager PyTorch's (~1,000 for `llama-1b` with a LoRA on four projections); with many tenants
+  on one GPU, launches are what the GPU runs out of (benchmarks/RESULTS.md, session 49). Before its
+  capture the step runs once compiled, outside it (the compile, its kernels loaded; it writes the
+  cache entries the replay then writes again, the same values). Exact to the compiled forward:
+  inductor's fusions round otherwise than eager kernels (float rounding; tests/test_gpu.py).
 - Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
   cannot be captured (transformers reading a GPU value on the host inside the forward, for
   instance) runs eagerly from then on, with a warning; `failures` keeps why.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
@@ -71,8 +79,9 @@ class StepGraphs:
     """The forward of a virtualized model (installed as its `forward`): decoding steps replayed as
     graphs, everything else eager (the module's docstring)."""
 
-    def __init__(self, forward, transports):
+    def __init__(self, forward, transports, compiled: bool = False):
         self._forward = forward  # the model's own forward (bound)
+        self._compiled = torch.compile(forward, dynamic=False) if compiled else None  # (compiles at its first call)
         self.__signature__ = inspect.signature(forward)  # (generate inspects it: logits_to_keep, cache_position, ...)
         self.__wrapped__ = forward
         self._transports = transports
@@ -86,7 +95,7 @@ class StepGraphs:
     def __deepcopy__(self, memo):
         import copy
 
-        return StepGraphs(copy.deepcopy(self._forward, memo), self._transports)
+        return StepGraphs(copy.deepcopy(self._forward, memo), self._transports, compiled=self._compiled is not None)
 
     def __call__(self, *args, **kwargs):
         key = self._key(args, kwargs)
@@ -186,13 +195,18 @@ class StepGraphs:
             else:
                 fixed[name] = v
         device = kwargs["input_ids"].device
+        forward = self._compiled or self._forward
+        if self._compiled is not None:  # (compiled and its kernels loaded outside the capture, on these very inputs)
+            self._compiled(**fixed)
         torch.cuda.synchronize(device)  # (our calls before it are done: their replies are taken first)
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
+        # (a compiled forward makes no host tensors; a mode around it would change its guards: compiled again)
+        host_data = _PinnedHostData(step.host) if self._compiled is None else contextlib.nullcontext()
         try:
             # (thread_local: another thread's synchronise meanwhile neither fails nor ends this capture)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), _PinnedHostData(step.host):
-                output = self._forward(**fixed)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), host_data:
+                output = forward(**fixed)
                 headers = transport.end_program()
         except BaseException:
             transport.abort_program()
@@ -292,8 +306,8 @@ def _layer_shapes(cache) -> tuple:
     return len(cache.layers), tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in sorted(_tensors(first).items()))
 
 
-def install(root: torch.nn.Module, transports) -> StepGraphs:
-    """Makes root's forward a StepGraphs over its own forward."""
-    graphs = StepGraphs(root.forward, transports)
+def install(root: torch.nn.Module, transports, compiled: bool = False) -> StepGraphs:
+    """Makes root's forward a StepGraphs over its own forward (`compiled`: captured from it compiled)."""
+    graphs = StepGraphs(root.forward, transports, compiled=compiled)
     root.forward = graphs
     return graphs

@@ -35,8 +35,9 @@ def test_greedy_generate_identical(executor_for, name):
     assert torch.equal(a, b)
 
 
-def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor):
-    """virtualize(step_graphs=True) on a tenant whose tensors are on the CPU: its forward keeps the
+@pytest.mark.parametrize("step_graphs", [True, "compiled"])
+def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor, step_graphs):
+    """virtualize(step_graphs=True or "compiled") on a tenant whose tensors are on the CPU: its forward keeps the
     model's signature (generate reads it: logits_to_keep, the mask it builds), every step runs
     eagerly (no CUDA graph off a GPU), and greedy decoding with a static cache gives the unsplit
     model's tokens."""
@@ -44,13 +45,18 @@ def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor):
 
     ref = build_builtin("tiny-llama")
     plain = build_builtin("tiny-llama")
-    virt = virtualize(build_builtin("tiny-llama"), executor.url, step_graphs=True)
+    virt = virtualize(build_builtin("tiny-llama"), executor.url, step_graphs=step_graphs)
     steps = virt.forward
     assert inspect.signature(steps) == inspect.signature(plain.forward)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True)
     for prompt in (ids(1, 6, seed=3), ids(1, 9, seed=4)):
         assert torch.equal(virt.generate(prompt, **kw), ref.generate(prompt, **kw))
     assert steps.captures == 0 and steps.replays == 0 and not steps.failures
+
+
+def test_step_graphs_takes_only_its_three_values(executor):
+    with pytest.raises(ValueError, match="step_graphs must be False, True or 'compiled'"):
+        virtualize(build_builtin("tiny-llama"), executor.url, step_graphs="yes")
 
 
 @pytest.mark.parametrize("order", ["after_peft", "before_peft"])
