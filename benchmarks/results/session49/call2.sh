@@ -1,4 +1,4 @@
-. benchmarks/gpu_host_setup.sh; export PYTHONFAULTHANDLER=1
+. benchmarks/gpu_host_setup.sh; export PYTHONFAULTHANDLER=1 TORCHINDUCTOR_COMPILE_THREADS=1
 # Session 49, call 2: step graphs captured from the compiled forward (step_graphs="compiled").
 # Call 1's timeline: 16 step-graphed tenants and 16 processes both ran ~610k kernels/s (1,190 and 1,226 launches a
 # token); each tenant launches ~1,000 kernels a token of its own. (1) the GPU parity test; (2) S3 N = 16, the
