@@ -32,8 +32,9 @@ copies the step's inputs in, sends one request, and launches one graph.
   by torch.compile (inductor, `dynamic=False`), whose fused kernels make a token far fewer launches
   than eager PyTorch's (~1,000 for `llama-1b` with a LoRA on four projections); with many tenants
   on one GPU, launches are what the GPU runs out of (benchmarks/RESULTS.md, session 49). Before its
-  capture the step runs once compiled, outside it (the compile, its kernels loaded; it writes the
-  cache entries the replay then writes again, the same values). Exact to the compiled forward:
+  capture the step runs once compiled, outside it (the compile, its kernels loaded); the cache's
+  small state tensors (StaticLayer's length) are put back after it, and the entries it wrote the
+  replay writes again, the same. Exact to the compiled forward:
   inductor's fusions round otherwise than eager kernels (float rounding; tests/test_gpu.py).
 - Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
   cannot be captured (transformers reading a GPU value on the host inside the forward, for
@@ -197,7 +198,8 @@ class StepGraphs:
         device = kwargs["input_ids"].device
         forward = self._compiled or self._forward
         if self._compiled is not None:  # (compiled and its kernels loaded outside the capture, on these very inputs)
-            self._compiled(**fixed)
+            with _cache_state_kept(cache):
+                self._compiled(**fixed)
         torch.cuda.synchronize(device)  # (our calls before it are done: their replies are taken first)
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
@@ -253,6 +255,22 @@ class StepGraphs:
                     t.copy_(theirs)
                     setattr(layer, name, t)
         step.adopter = weakref.ref(cache)
+
+
+@contextlib.contextmanager
+def _cache_state_kept(cache):
+    """Around a step run before its capture: the cache's small tensors (StaticLayer's
+    cumulative_length, which each step advances) as they were before; the keys and values it writes
+    at the step's positions the replay writes again, the same."""
+    kept = [(t, t.clone()) for layer in cache.layers for t in _tensors(layer).values() if t.numel() <= SMALL_STATE]
+    try:
+        yield
+    finally:
+        for t, before in kept:
+            t.copy_(before)
+
+
+SMALL_STATE = 64  # elements: a cache layer's tensor of at most this many is state, not keys or values
 
 
 class _PinnedHostData(TorchFunctionMode):

@@ -54,6 +54,28 @@ def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor, step_graph
     assert steps.captures == 0 and steps.replays == 0 and not steps.failures
 
 
+def test_a_compiled_steps_run_before_its_capture_leaves_the_caches_length():
+    """step_graphs="compiled" runs a step once before capturing it (client/step_graphs.py): the
+    static cache's length (StaticLayer.cumulative_length, which every update advances) is what it
+    was before, or the replays would write one position further on."""
+    from transformers import LlamaConfig, StaticCache
+
+    from symbiont.client.step_graphs import _cache_state_kept
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=128, vocab_size=256)
+    cache = StaticCache(config=config, max_cache_len=8)
+    kv = torch.randn(1, 2, 3, 16)
+    for layer in range(2):
+        cache.update(kv, kv, layer)
+    lengths = [t.clone() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.numel() == 1]
+    assert lengths
+    with _cache_state_kept(cache):
+        cache.update(kv[:, :, :1], kv[:, :, :1], 0)
+        assert cache.get_seq_length(0) == 4
+    assert cache.get_seq_length(0) == 3 and torch.equal(cache.layers[0].keys[:, :, :3], kv)
+
+
 def test_step_graphs_takes_only_its_three_values(executor):
     with pytest.raises(ValueError, match="step_graphs must be False, True or 'compiled'"):
         virtualize(build_builtin("tiny-llama"), executor.url, step_graphs="yes")
