@@ -147,6 +147,44 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, de
     return y
 
 
+def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor) -> torch.Tensor:
+    """A span's FORWARD as _span computes it, its elementwise work in two kernels
+    (kernels/span_norms.py) and the MLP's act(gate) * up in one where the unit has it: 7 kernels
+    instead of ~36, within float rounding of _span (not bitwise: the norms' sums in another
+    order). For gangs' rounds, whose results are within the batching tolerance anyway; no hosted
+    adapter. x and out are contiguous [rows, width]; where d's float32 bits do not fall on 4-byte
+    boundaries, _span computes it."""
+    from symbiont.base_executor.kernels import span_norms
+    from symbiont.proto.layer_span import delta_width
+
+    o_proj, mlp, *qkv = unit.members
+    hidden = o_proj.out_features
+    r_at = o_proj.in_features
+    d_at = r_at + hidden
+    w2_at = d_at + delta_width(hidden, x.dtype)
+    size = x.element_size()
+    if (not (x.is_contiguous() and out.is_contiguous()) or (x.data_ptr() + d_at * size) % 4
+            or (x.stride(0) * size) % 4):
+        return _span(unit, x, exact, out, ())
+    pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
+    _, _, m, *nxt = out.split(pieces, dim=-1)
+    base = run(o_proj, pb.FORWARD, x[:, :r_at], exact)
+    span_norms.o_and_norm(base, x, out, r_at, d_at, w2_at, 0, hidden, unit.norms[0].variance_epsilon)
+    pair, down = mlp.members
+    gate_up = run(pair, pb.FORWARD, out[:, hidden:2 * hidden], exact)
+    if mlp.act_mul is not None:
+        act = mlp.act_mul(gate_up)
+    else:
+        gate, up = gate_up.split(pair.out_features // 2, dim=-1)
+        act = mlp.act(gate) * up
+    run(down, pb.FORWARD, act, exact, m)
+    if qkv:
+        span_norms.m_and_norm(x, out, hidden, r_at, w2_at + hidden, 0, 2 * hidden, 3 * hidden,
+                              unit.norms[1].variance_epsilon)
+        run(qkv[0], pb.FORWARD, nxt[0], exact, nxt[1])
+    return out
+
+
 FUSE_MIN_ELEMENTS = 1 << 18
 """A call fuses act(gate) * up from this many products on (19 tokens of `llama-8b`, 32 of
 `llama-1b`; fused, a 2048-token `llama-8b` prefill took 2.7-4.4 ms less: benchmarks/RESULTS.md).

@@ -956,13 +956,15 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
                 torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
 
 
-def test_step_programs_of_four_tenants_run_in_gangs(tmp_path):
+@pytest.mark.parametrize("spans", ["eager", "fused"])
+def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
     over every tenant's row, transports/gangs.py), and each tenant's greedy tokens equal its run
     alone (no gang: its programs then run on its own stream) and the unsplit model's, its scores to
-    the rounding of GEMMs batched with the others'."""
-    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+    the rounding of GEMMs batched with the others'; with the rounds' spans computed with the
+    tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused)."""
+    with running_executor("tiny-llama", "--device", "cuda:0", "--gang-spans", spans) as ex:
         solo, together, before, stats = _alone_then_together(tmp_path, ex.url, "steps")
     paths = dict(stats.call_paths)
     ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
@@ -1168,6 +1170,35 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
         paths = dict(conn.stats().call_paths)
         assert paths.get("step program", 0) >= 1 and paths.get("native lane", 0) >= steps.replays - paths["step program"], paths
         conn.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_span_is_the_eager_span_to_float_rounding(dtype):
+    """runner.span_fused (gangs' rounds with --gang-spans fused) on the GPU's Triton kernels: o
+    bitwise _span's (its ops are elementwise, rounded where torch rounds), the other pieces within
+    float rounding (the norms' sums in another order; bfloat16: a rounding of the norm or two
+    carried through the MLP's GEMMs), for every span of a model, the last layer's (no q/k/v) among
+    them."""
+    from symbiont.base_executor import runner
+    from symbiont.base_executor.catalog import SPAN, UnitTable
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.layer_span import delta_bits, delta_width
+
+    model = build_builtin("tiny-llama", dtype).cuda()
+    table = UnitTable(model)
+    assert table.add_spans(model) >= 2
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    for unit in (u for u in table.units.values() if u.kind == SPAN):
+        hidden, a_width = unit.members[0].out_features, unit.members[0].in_features
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, unit.in_features, generator=g).to(dtype)
+        x[:, a_width + hidden:a_width + hidden + delta_width(hidden, dtype)] = delta_bits(
+            0.01 * torch.randn(16, hidden, generator=g), dtype)
+        x = x.cuda()
+        want = runner.run(unit, pb.FORWARD, x)
+        got = runner.span_fused(unit, x, False, torch.empty_like(want))
+        assert torch.equal(got[:, :hidden], want[:, :hidden]), unit.id
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_compiled_step_graphs_decode_as_the_eager_tenant_does():

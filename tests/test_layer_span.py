@@ -405,6 +405,37 @@ def test_the_executor_computes_norms_only_where_its_norm_is_the_modules_bitwise(
     assert before == LAYERS and table.add_spans(model) == LAYERS - 1
 
 
+def test_a_fused_span_is_the_eager_span_to_float_rounding():
+    """runner.span_fused (a gang's round with `serve --gang-spans fused`; its kernels in Triton's
+    interpreter here) computes what _span computes in float32: o bitwise (elementwise ops), the
+    rest within float rounding (the norms' sums in another order), the last layer's span (no
+    q/k/v) too; a batch whose delta bits do not fall on 4-byte boundaries is _span's, bitwise."""
+    from symbiont.base_executor import runner
+    from symbiont.base_executor.catalog import SPAN, UnitTable
+    from symbiont.proto import executor_pb2 as pb
+    from symbiont.proto.layer_span import delta_bits, delta_width
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_builtin("tiny-llama", dtype)
+        table = UnitTable(model)
+        assert table.add_spans(model) == LAYERS
+        for unit in (u for u in table.units.values() if u.kind == SPAN):
+            hidden, a_width = unit.members[0].out_features, unit.members[0].in_features
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(5, unit.in_features, generator=g).to(dtype)
+            x[:, a_width + hidden:a_width + hidden + delta_width(hidden, dtype)] = delta_bits(
+                0.01 * torch.randn(5, hidden, generator=g), dtype)
+            want = runner.run(unit, pb.FORWARD, x)
+            if dtype == torch.float32:
+                got = runner.span_fused(unit, x, False, torch.empty_like(want))
+                assert torch.equal(got[:, :hidden], want[:, :hidden]), unit.id
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            else:  # (Triton's interpreter rounds to bfloat16 otherwise than a GPU: tests/test_gpu.py has it)
+                odd = torch.empty(x.numel() + 1, dtype=dtype)[1:].view(x.shape)  # (2 bytes off a 4-byte boundary)
+                odd.copy_(x)
+                assert torch.equal(runner.span_fused(unit, odd, False, torch.empty_like(want)), want), unit.id
+
+
 @pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj"), ("o_proj",),
                                      ("o_proj", "up_proj")])
 def test_a_hosted_adapter_rides_in_the_span(targets):

@@ -23,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from symbiont.base_executor import runner
+from symbiont.base_executor.catalog import SPAN
 from symbiont.base_executor.graphs import capture
 from symbiont.base_executor.kernels import gang_words
+from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import stream_write
 
@@ -153,20 +155,21 @@ class Gang:
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()]
         return set().union(*(ids for _, ids in self._flying))
 
-    def capture(self, lane: _Lane, exact: bool) -> None:
+    def capture(self, lane: _Lane, exact: bool, fused_spans: bool = False) -> None:
         """Captures the gang's round on a lane's stream, after running it once there with every
         slot sitting out (no round has run on the lane yet: its `seqs` is 0), which loads what the
-        capture may not."""
+        capture may not. `fused_spans`: a span call's elementwise work in two kernels
+        (runner.span_fused)."""
         n, slots = len(self.calls), self.slots
         device = self.table.device
         before = torch.cuda.current_stream(device)
         torch.cuda.set_stream(lane.stream)
         try:
-            self._capture(lane, exact, n, slots, device)
+            self._capture(lane, exact, n, slots, device, fused_spans)
         finally:
             torch.cuda.set_stream(before)
 
-    def _capture(self, lane: _Lane, exact: bool, n: int, slots: int, device: torch.device) -> None:
+    def _capture(self, lane: _Lane, exact: bool, n: int, slots: int, device: torch.device, fused_spans: bool) -> None:
         batches = []
         for c in self.calls:  # (on the lane's stream, kept by the lane even if the capture fails)
             x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
@@ -182,7 +185,10 @@ class Gang:
                 if k == n:  # (the next run's first wait must not pass on this run's last number)
                     gang_words.write(table, PROGRAM_IN, seqs, 0)
                 gang_words.gather(table, 4 + k - 1, seqs, x)
-                runner.run(c.unit, c.op, x, exact, y)
+                if fused_spans and c.unit.kind == SPAN and c.op == pb.FORWARD:
+                    runner.span_fused(c.unit, x, exact, y)
+                else:
+                    runner.run(c.unit, c.op, x, exact, y)
                 gang_words.scatter(y, table, 4 + n + k - 1, seqs)
                 gang_words.write(table, PROGRAM_OUT, seqs, k)
             gang_words.write(table, OUT_WORD, seqs, from_seq=True)

@@ -111,6 +111,10 @@ class LocalServerConfig:
     """Streams a gang's rounds run on (each its own graph of a round and cuBLAS workspace, warmed
     at start): rounds of tenants that did not come together run at once on different lanes; while
     every lane is busy, runs gather into the next round."""
+    gang_spans: str = "eager"
+    """How a gang's round computes a layer span: "eager" with the ops runner._span uses (~36
+    kernels a call), "fused" with its elementwise work in two kernels (runner.span_fused: 7;
+    within float rounding, like every ganged result). Not the default until it is GPU-run."""
     gang_wait_us: int = 2000
     """How long a gang's round waits for the tenants of its last round to ask for their next run
     (the first asks at once) before it runs with those that did."""
@@ -120,6 +124,8 @@ class LocalServerConfig:
         if self.gang_slots < 0 or self.gang_wait_us < 0 or self.gang_lanes < 1:
             raise ValueError(f"need gang_slots >= 0, gang_lanes >= 1, gang_wait_us >= 0, got {self.gang_slots}, "
                              f"{self.gang_lanes}, {self.gang_wait_us}")
+        if self.gang_spans not in ("eager", "fused"):
+            raise ValueError(f"gang_spans must be 'eager' or 'fused', got {self.gang_spans!r}")
         if self.solo_tokens < 0:
             raise ValueError(f"solo_tokens must be >= 0 (0: off), got {self.solo_tokens}")
         if self.graph_tokens < 0:

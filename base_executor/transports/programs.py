@@ -367,7 +367,7 @@ class LocalPrograms:
     def _launch_gang(self, gang: Gang, lane) -> None:
         if lane.graph is None:
             try:
-                gang.capture(lane, self.core.scheduler.config.exact)
+                gang.capture(lane, self.core.scheduler.config.exact, fused_spans=self.config.gang_spans == "fused")
             except Exception:
                 lane.failures += 1
                 log.exception("a gang's round could not be captured (%d of %d tries)", lane.failures, CAPTURE_TRIES)
