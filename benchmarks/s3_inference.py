@@ -41,6 +41,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tenant-flags", default="", help='tenant fleets to compare on each executor, "NAME=WORKER FLAGS;..." '
                    '(fleet_worker.py, e.g. "drop=;keep=--keep-full-masks")')
+    p.add_argument("--process-flags", default="", help='process fleets to run beside one another, "NAME=WORKER FLAGS;..." '
+                   '(fleet_worker.py, e.g. "eager=;compiled=--compile default": processes as users run them and compiled); '
+                   'default: one fleet, "processes"')
     p.add_argument("--rounds", type=int, default=1, help="with --tenant-flags: run them this many times, every other "
                    "round in reverse order")
     p.add_argument("--tenant-waits", default="", help="comma list of --cuda-waits values: the tenants once per value "
@@ -81,12 +84,13 @@ def main() -> int:
               *(["--compile", a.compile] if a.compile else [])]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
-    for n in ns:
+    for n, (pvariant, pextra) in ((n, v) for n in ns for v in fleet.tenant_variants(a.process_flags)):
+        pwho = "processes" + (f", {pvariant}" if pvariant else "")
         if n <= a.max_processes:
             spy_path, spies = out / f"s3_{a.model}_{a.tag}_n{n}_process0_pyspy.txt", []
             on_go = (lambda _, pids: spies.append(fleet.py_spy(pids[0], a.seconds * 0.8, spy_path, a.py_spy_native))) if a.py_spy == n else None
-            res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)],
-                                              a.seconds, on_go=on_go)
+            pworkers = [["--mode", "plain", "--role", "infer", "--index", str(i), *common, *pextra] for i in range(n)]
+            res, base, peak = fleet.run_fleet(pworkers, a.seconds, on_go=on_go)
             for spy in spies:
                 fleet.wait_spy(spy, a.seconds)
                 from s6_profile import top_frames, waits
@@ -96,11 +100,11 @@ def main() -> int:
                     from s6_profile import native_leaves
 
                     print("process 0, its main thread's innermost frames:\n" + native_leaves(spy_path), flush=True)
-            rows.append({"k": n, "who": "processes", **fleet.infer_figures(res), "gpu_used": peak - base})
+            rows.append({"k": n, "who": pwho, **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
             if n in profile_ns:
-                profiled([["--mode", "plain", "--role", "infer", "--index", str(i), *common] for i in range(n)], "processes", n)
-        if n in mixed:
+                profiled(pworkers, pwho, n)
+        if n in mixed and pvariant == fleet.tenant_variants(a.process_flags)[0][0]:  # (once an N)
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
             rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
