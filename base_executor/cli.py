@@ -138,6 +138,9 @@ def _serve(args: argparse.Namespace) -> int:
     mailbox_mb = args.mailbox_mb if args.mailbox_mb is not None else min(16, args.max_mailbox_mb)
     spin_us = args.spin_us if args.spin_us is not None else (GPU_SPIN_US if device.type == "cuda" else 20)
     tensor = shard is not None and shard.placement == "tensor"  # (every call runs over every rank, from rank 0's loop)
+    if args.exact and args.gang_spans == "fused":
+        raise SystemExit("--gang-spans fused computes a span's norms in another order than the tenant's layer: "
+                         "not with --exact (batch-invariant results)")
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,

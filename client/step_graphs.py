@@ -29,12 +29,15 @@ copies the step's inputs in, sends one request, and launches one graph.
   page-locked copy while capturing (a graph may copy only from page-locked memory), kept as long
   as the graph.
 - **Compiled** (`step_graphs="compiled"`): the step is captured from the model's forward compiled
-  by torch.compile (inductor, `dynamic=False`), whose fused kernels make a token far fewer launches
+  by torch.compile (inductor; a second cache length compiles once more, symbolic in the length,
+  and later lengths reuse it), whose fused kernels make a token far fewer launches
   than eager PyTorch's (~1,000 for `llama-1b` with a LoRA on four projections); with many tenants
   on one GPU, launches are what the GPU runs out of (benchmarks/RESULTS.md, session 49). Before its
   capture the step runs once compiled, outside it (the compile, its kernels loaded); the cache's
   small state tensors (StaticLayer's length) are put back after it, and the entries it wrote the
-  replay writes again, the same. Exact to the compiled forward:
+  replay writes again, the same. The capture then may not compile (a guard that fails raises
+  instead: the step runs eagerly from then on); a call of that run that fails leaves the step
+  eager once, to be captured at a later step. Exact to the compiled forward:
   inductor's fusions round otherwise than eager kernels (float rounding; tests/test_gpu.py).
 - Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
   cannot be captured (transformers reading a GPU value on the host inside the forward, for
@@ -51,7 +54,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from symbiont.client.errors import RetryLaterError
+from symbiont.client.errors import RetryLaterError, SymbiontError
 from symbiont.client.transports.local_programs import StaleProgram
 
 EAGER = ("labels", "inputs_embeds", "output_attentions", "output_hidden_states")  # a step given any of these runs eagerly
@@ -82,7 +85,9 @@ class StepGraphs:
 
     def __init__(self, forward, transports, compiled: bool = False):
         self._forward = forward  # the model's own forward (bound)
-        self._compiled = torch.compile(forward, dynamic=False) if compiled else None  # (compiles at its first call)
+        # (compiles at its first call; a second cache length compiles once more, with that length
+        # symbolic, and every later one reuses it: dynamo's automatic dynamic shapes)
+        self._compiled = torch.compile(forward) if compiled else None
         self.__signature__ = inspect.signature(forward)  # (generate inspects it: logits_to_keep, cache_position, ...)
         self.__wrapped__ = forward
         self._transports = transports
@@ -112,8 +117,8 @@ class StepGraphs:
         if step.graph is None:
             try:
                 self._capture(step, kwargs)
-            except (StaleProgram, RetryLaterError):  # (the mailbox grew meanwhile; the executor's side not ready yet)
-                del steps[key]  # (eager, and captured again at the next steps of the shape)
+            except (StaleProgram, RetryLaterError, _WarmRunFailed):  # (the mailbox grew meanwhile; the executor's
+                del steps[key]  # side not ready yet; a call of the run before it failed): eager, captured again later
                 return self._forward(**kwargs)
             except Exception as e:  # (eager from now on: nothing was sent)
                 self._failed.add(key)
@@ -198,13 +203,18 @@ class StepGraphs:
         device = kwargs["input_ids"].device
         forward = self._compiled or self._forward
         if self._compiled is not None:  # (compiled and its kernels loaded outside the capture, on these very inputs)
-            with _cache_state_kept(cache):
-                self._compiled(**fixed)
+            try:
+                with _cache_state_kept(cache):
+                    self._compiled(**fixed)
+                transport.confirm()  # (its calls' replies: a failure of theirs is not the capture's)
+            except SymbiontError as e:
+                raise _WarmRunFailed() from e
         torch.cuda.synchronize(device)  # (our calls before it are done: their replies are taken first)
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
         # (a compiled forward makes no host tensors; a mode around it would change its guards: compiled again)
-        host_data = _PinnedHostData(step.host) if self._compiled is None else contextlib.nullcontext()
+        # (no compiling inside the capture: a guard the run before it passed and this call would not raises instead)
+        host_data = _PinnedHostData(step.host) if self._compiled is None else torch.compiler.set_stance("fail_on_recompile")
         try:
             # (thread_local: another thread's synchronise meanwhile neither fails nor ends this capture)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"), host_data:
@@ -255,6 +265,11 @@ class StepGraphs:
                     t.copy_(theirs)
                     setattr(layer, name, t)
         step.adopter = weakref.ref(cache)
+
+
+class _WarmRunFailed(Exception):
+    """A call of a compiled step's run before its capture failed: the step runs eagerly, and is
+    captured again at a later step of its shape."""
 
 
 @contextlib.contextmanager

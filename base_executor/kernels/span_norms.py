@@ -13,10 +13,11 @@ session 49), so a round computes them fused instead:
   dtype); n1 = norm(h2) with w1. Writes n1.
 
 The norm is layer_span.norm's: in float32, x * rsqrt(mean(x^2) + eps), rounded, times the weight
-(the product of two values of the dtype, rounded). Every step rounds where torch's ops do; only
-the mean's sum runs in another order (and rsqrt may be another instruction), so a fused span is
-within float rounding of the eager one, not bitwise: what a gang's results are anyway (the
-batch's GEMMs are other kernels than the lone calls').
+(the product of two values of the dtype, rounded). The elementwise steps round where torch's ops
+do (no fused multiply-adds); the mean's sum runs in another order (and rsqrt may be another
+instruction), so a fused span is within float rounding of the eager one, not bitwise: what a
+gang's results are anyway (the batch's GEMMs are other kernels than the lone calls'). o is
+bitwise where cuBLAS computes o_proj's GEMM over the batch's strided columns as over a copy.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def _m_and_norm_kernel(x, out, width, x_stride, out_stride, r_at, w_at, o_at, m_
 
 def _launch_args(x: torch.Tensor, out: torch.Tensor, width: int) -> tuple:
     block = triton.next_power_of_2(width)
-    return (x.shape[0],), dict(BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    # (no fused multiply-adds: each product and sum rounds on its own, as torch's separate ops do)
+    return (x.shape[0],), dict(BLOCK=block, num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False)
 
 
 def o_and_norm(base: torch.Tensor, x: torch.Tensor, out: torch.Tensor, r_at: int, d_at: int, w_at: int,
