@@ -956,16 +956,17 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
                 torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
 
 
-@pytest.mark.parametrize("spans", ["eager", "fused"])
-def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans):
+@pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps")])
+def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
     over every tenant's row, transports/gangs.py), and each tenant's greedy tokens equal its run
     alone (no gang: its programs then run on its own stream) and the unsplit model's, its scores to
     the rounding of GEMMs batched with the others'; with the rounds' spans computed with the
-    tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused)."""
+    tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused); and with the
+    tenants' steps compiled (step_graphs="compiled")."""
     with running_executor("tiny-llama", "--device", "cuda:0", "--gang-spans", spans) as ex:
-        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, "steps")
+        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode)
     paths = dict(stats.call_paths)
     ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
     calls, batches = stats.calls - before.calls, stats.batches - before.batches

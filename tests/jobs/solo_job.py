@@ -1,9 +1,11 @@
 """A tenant job for the multi-tenant tests: `train` runs LoRA SGD steps, `generate` greedy
 decodes a few prompts, `steps` too with its decoding steps replayed as CUDA graphs (a same-GPU
-tenant: virtualize(step_graphs=True)); each saves what it computed to --out."""
+tenant: virtualize(step_graphs=True)), `csteps` with them captured from the compiled forward
+(step_graphs="compiled"); each saves what it computed to --out."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -79,8 +81,8 @@ def generate(url: str, prompts: int, sync=lambda: None, device: str = "cpu", see
     return {k: v.cpu() for k, v in out.items()}
 
 
-def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", seed: int = 0) -> dict:
-    model = virtualize(build_builtin("tiny-llama").to(device), url, step_graphs=True)
+def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", seed: int = 0, graphs=True) -> dict:
+    model = virtualize(build_builtin("tiny-llama").to(device), url, step_graphs=graphs)
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
               output_scores=True, return_dict_in_generate=True)
     model.generate(ids(1, 6, seed=1000 * seed).to(device), **kw)  # (its steps captured before the others meet)
@@ -97,7 +99,7 @@ def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", see
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
-    p.add_argument("--mode", choices=["train", "generate", "steps"], required=True)
+    p.add_argument("--mode", choices=["train", "generate", "steps", "csteps"], required=True)
     p.add_argument("--n", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
@@ -106,5 +108,7 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0, help="the data (train on cuda: also the adapter's rank and init)")
     a = p.parse_args()
     sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
-    result = {"train": train, "generate": generate, "steps": steps}[a.mode](a.url, a.n, sync, a.device, a.seed)
+    compiled_steps = functools.partial(steps, graphs="compiled")
+    result = {"train": train, "generate": generate, "steps": steps, "csteps": compiled_steps}[a.mode](
+        a.url, a.n, sync, a.device, a.seed)
     torch.save(result, a.out)

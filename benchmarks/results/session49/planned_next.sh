@@ -4,10 +4,11 @@
 # kernels/span_norms.py; serve --gang-spans fused, off by default until this passes), the gang test with both, and the
 # compiled steps' parity test again. (2) S3 N = 16: the processes against compiled-step tenants on an executor with
 # eager spans and one with fused spans. If the fused spans pass and win, make --gang-spans fused the default.
-# A second call: the same S3 with --process-flags "eager=;compiled=--compile default" (compiled processes beside the
+# The tests take ~6 min (the gang test three times: eager spans, fused spans, fused spans with compiled steps): if
+# the S3 part is cut, run it alone in the next call. A further call: the same S3 with --process-flags "eager=;compiled=--compile default" (compiled processes beside the
 # eager ones: the fair baseline for compiled tenants) and N = 32.
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt; nproc >> $OUT/gpu.txt
-timeout -s INT 280 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 200 -rfE --tb=short --durations=0 -s \
+timeout -s INT 420 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 200 -rfE --tb=short --durations=0 -s \
   -k "fused_span or gangs or compiled_step_graphs" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt
 { echo "#### executor logs"; grep -h -B2 -A30 "gang\|Traceback" ${TMPDIR:-/tmp}/test-*.log | grep -v "attached;\|detached\|CUDAGraph.cpp" | tail -40; } >> $OUT/gpu_tests.txt 2>&1
 d=/tmp/r/g; mkdir -p $d
