@@ -172,6 +172,9 @@ def gap_bands(spans) -> dict:
     return out
 
 
+TOP_KERNELS, TOP_NAME = 12, 90  # a worker's kernels by name in the summary: how many, and their names cut to
+
+
 def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
     """`parts`: who -> a profile (WindowProfiler's or ExecutorWindow's); workers' names start with
     "tenant" or "process", the executor's is "executor". Everything is clipped to the span every
@@ -188,9 +191,11 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
     for who, v in parts.items():
         spans = _clip(v["spans"], lo, hi)
         every += spans
-        by_kind = collections.Counter()
+        by_kind, by_name, launches = collections.Counter(), collections.Counter(), collections.Counter()
         for s, e, n in spans:
             by_kind[kind_of(n)] += (e - s) / 1e3
+            by_name[n[:TOP_NAME]] += (e - s) / 1e3
+            launches[n[:TOP_NAME]] += 1
         kernel_ms = sum(by_kind.values())
         rows[who] = {
             "busy_ms": _union_ms(spans), "kernel_ms": kernel_ms, "launches": len(spans),
@@ -199,6 +204,9 @@ def summarise(parts: dict[str, dict], tokens_per_unit: int) -> dict:
             "cpu_share": v["cpu_s"] / v["wall_s"] if v.get("wall_s") else float("nan"),
             "tokens_per_s": v["units"] * tokens_per_unit / v["wall_s"] if v.get("wall_s") and v["units"] else 0.0,
             "gaps_us": gap_bands(spans),
+            # (its kernels by name, the most time first: launches a token, µs a launch)
+            "top_kernels": [(n, launches[n] / tokens if tokens else float("nan"), 1e3 * ms / launches[n])
+                            for n, ms in by_name.most_common(TOP_KERNELS)],
         }
     busy = _union_ms(every)
     working = _union_ms([sp for sp in every if kind_of(sp[2]) != "word wait"])
@@ -231,6 +239,8 @@ def report(title: str, s: dict) -> str:
                      f"{r['kernel_ms_per_1k_tokens']:6.2f} ms/1k tok [{kinds}], CPU {100 * r['cpu_share']:.0f}%")
         lines.append("                 idle between its kernels, µs: " + ", ".join(
             f"{band} {n} x = {ms:.1f} ms" for band, (n, ms) in r["gaps_us"].items() if n))
+        if who in ("executor", "tenant 0", "process 0"):
+            lines += [f"                 {per:7.1f} a token x {us:7.1f} µs  {name}" for name, per, us in r["top_kernels"]]
     return "\n".join(lines)
 
 

@@ -146,3 +146,6 @@ def test_a_fleet_timeline_tells_the_word_waits_from_work():
     assert s["working_concurrency"] == pytest.approx(20 / 15, abs=1e-3)
     assert s["launches_per_token"] == pytest.approx(5 / 2)  # (five kernels; each worker's 10 tokens a second over 0.1 s)
     assert "without the word waits: busy 15.0%" in fleet_timeline.report("t", s)
+    # (each worker's kernels by name: launches a token, µs a launch; tenant 0's and process 0's reported)
+    assert s["processes"]["tenant 0"]["top_kernels"] == [("wait", 0.5, 100 * ms), ("nvjet_gemm", 0.5, 10 * ms)]
+    assert "0.5 a token x 10000.0 µs  cutlass_gemm" in fleet_timeline.report("t", s)
