@@ -22,6 +22,19 @@ def ids(batch: int = 2, seq: int = 12, seed: int = 0, vocab: int = 256) -> torch
     return torch.randint(1, vocab, (batch, seq), generator=g)
 
 
+def span_batch(unit, rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A layer span unit's input (proto/layer_span.py) of `rows` random rows: [a, r, d, w2, w1],
+    d a small float32 delta carried as its bits."""
+    from symbiont.proto.layer_span import delta_bits, delta_width
+
+    hidden, a_width = unit.members[0].out_features, unit.members[0].in_features
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, unit.in_features, generator=g).to(dtype)
+    x[:, a_width + hidden:a_width + hidden + delta_width(hidden, dtype)] = delta_bits(
+        0.01 * torch.randn(rows, hidden, generator=g), dtype)
+    return x
+
+
 def lora_model(name: str, seed: int = 1, base=None):
     """build_builtin(name) (or `base`) wrapped in PEFT LoRA with random A and B (B != 0 so
     every adapter weight gets a gradient from the first step)."""

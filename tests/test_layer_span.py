@@ -413,18 +413,15 @@ def test_a_fused_span_is_the_eager_span_to_float_rounding():
     from symbiont.base_executor import runner
     from symbiont.base_executor.catalog import SPAN, UnitTable
     from symbiont.proto import executor_pb2 as pb
-    from symbiont.proto.layer_span import delta_bits, delta_width
+    from tests.models import span_batch
 
     for dtype in (torch.float32, torch.bfloat16):
         model = build_builtin("tiny-llama", dtype)
         table = UnitTable(model)
         assert table.add_spans(model) == LAYERS
         for unit in (u for u in table.units.values() if u.kind == SPAN):
-            hidden, a_width = unit.members[0].out_features, unit.members[0].in_features
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(5, unit.in_features, generator=g).to(dtype)
-            x[:, a_width + hidden:a_width + hidden + delta_width(hidden, dtype)] = delta_bits(
-                0.01 * torch.randn(5, hidden, generator=g), dtype)
+            hidden = unit.members[0].out_features
+            x = span_batch(unit, 5, dtype)
             want = runner.run(unit, pb.FORWARD, x)
             if dtype == torch.float32:
                 got = runner.span_fused(unit, x, False, torch.empty_like(want))
