@@ -151,6 +151,11 @@ def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
     return {"start": start, "ends": ends, "tokens_per_step": a.batch * a.seq}
 
 
+def _steps_of(model):
+    """The model's StepGraphs (client/step_graphs.py: installed on the model's root, under PEFT's wrapper)."""
+    return model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+
+
 def _step_graphs(a):
     return "compiled" if a.step_graphs and a.compiled_steps else a.step_graphs
 
@@ -355,6 +360,8 @@ def main() -> int:
                    "replayed as CUDA graphs with their calls as step programs (a static cache; client/step_graphs.py)")
     p.add_argument("--compiled-steps", action="store_true", help="with --step-graphs: the steps captured from the "
                    "forward compiled by torch.compile (step_graphs='compiled')")
+    p.add_argument("--gemm-linears", action="store_true", help="with --compiled-steps: the tenant's LoRA linears stay "
+                   "cuBLAS GEMMs (StepGraphs.small_linears = False) instead of reductions inductor fuses")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
@@ -404,6 +411,8 @@ def main() -> int:
         if profiler:
             profiler[0].tick(units)
 
+    if a.step_graphs and a.gemm_linears:
+        _steps_of(model).small_linears = False
     if a.role == "finetune":
         out = finetune(a, model, deadline_of, tick)
     elif a.role == "infer":
@@ -414,7 +423,7 @@ def main() -> int:
         out["max_allocated"] = torch.cuda.max_memory_allocated(a.device)
         out["max_reserved"] = torch.cuda.max_memory_reserved(a.device)
     if a.step_graphs:  # (client/step_graphs.py: how its steps went)
-        steps = model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+        steps = _steps_of(model)
         out["step_graphs"] = {"captures": steps.captures, "replays": steps.replays, "failures": steps.failures[:2]}
     out.update(role=a.role, mode=a.mode, index=a.index)
     print("result " + json.dumps(out), flush=True)

@@ -35,7 +35,10 @@ copies the step's inputs in, sends one request, and launches one graph.
   on one GPU, launches are what the GPU runs out of (benchmarks/RESULTS.md, session 49). Before its
   capture the step runs once compiled, outside it (the compile, its kernels loaded); the cache's
   small state tensors (StaticLayer's length) are put back after it, and the entries it wrote the
-  replay writes again, the same. The capture then may not compile (a guard that fails raises
+  replay writes again, the same. The tenant's own linears of few rows (its LoRA's A and B at a
+  decoding step) are traced as float32 products summed, which inductor fuses with their neighbours
+  (instead of two cuBLAS GEMMs a LoRA: `model.forward.small_linears = False` keeps the GEMMs).
+  The capture then may not compile (a guard that fails raises
   instead: the step runs eagerly from then on); a call of that run that fails leaves the step
   eager once, to be captured at a later step. Exact to the compiled forward:
   inductor's fusions round otherwise than eager kernels (float rounding; tests/test_gpu.py).
@@ -97,11 +100,14 @@ class StepGraphs:
         self.captures = 0
         self.failures: list[str] = []  # why captures failed (each such step shape runs eagerly)
         self._tuner = None  # the model's first PEFT adapter layer (False: none), found at the first step
+        self.small_linears = True  # compiled: the tenant's own linears of few rows as reductions (_SmallLinears)
 
     def __deepcopy__(self, memo):
         import copy
 
-        return StepGraphs(copy.deepcopy(self._forward, memo), self._transports, compiled=self._compiled is not None)
+        graphs = StepGraphs(copy.deepcopy(self._forward, memo), self._transports, compiled=self._compiled is not None)
+        graphs.small_linears = self.small_linears
+        return graphs
 
     def __call__(self, *args, **kwargs):
         key = self._key(args, kwargs)
@@ -202,9 +208,11 @@ class StepGraphs:
                 fixed[name] = v
         device = kwargs["input_ids"].device
         forward = self._compiled or self._forward
+        # (the same modes around the run before the capture and the capture: dynamo guards on them)
+        linears = _SmallLinears() if self._compiled is not None and self.small_linears else contextlib.nullcontext()
         if self._compiled is not None:  # (compiled and its kernels loaded outside the capture, on these very inputs)
             try:
-                with _cache_state_kept(cache):
+                with _cache_state_kept(cache), linears:
                     self._compiled(**fixed)
                 transport.confirm()  # (its calls' replies: a failure of theirs is not the capture's)
             except SymbiontError as e:
@@ -217,7 +225,7 @@ class StepGraphs:
         host_data = _PinnedHostData(step.host) if self._compiled is None else torch.compiler.set_stance("fail_on_recompile")
         try:
             # (thread_local: another thread's synchronise meanwhile neither fails nor ends this capture)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), host_data:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), host_data, linears:
                 output = forward(**fixed)
                 headers = transport.end_program()
         except BaseException:
@@ -286,6 +294,27 @@ def _cache_state_kept(cache):
 
 
 SMALL_STATE = 64  # elements: a cache layer's tensor of at most this many is state, not keys or values
+
+
+SMALL_ROWS = 16  # a linear of at most this many rows is a reduction in a compiled step (_SmallLinears)
+
+
+class _SmallLinears(TorchFunctionMode):
+    """While a compiled step is traced: F.linear of at most SMALL_ROWS rows (the tenant's own
+    linears at a decoding step: its LoRA's A and B) as a product summed in float32, which inductor
+    fuses with the kernels around it, instead of a cuBLAS GEMM of its own (two of them a LoRA, four
+    LoRAs a layer: most of a compiled tenant's launches). The same precision as the GEMM (float32
+    products and sums, rounded once), another order of the sum."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.dim() == 2 and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]:
+                y = (x.float().unsqueeze(-1) * weight.t().float()).sum(-2)
+                return (y if bias is None else y + bias.float()).to(x.dtype)
+        return func(*args, **kwargs)
 
 
 class _PinnedHostData(TorchFunctionMode):

@@ -76,6 +76,33 @@ def test_a_compiled_steps_run_before_its_capture_leaves_the_caches_length():
     assert cache.get_seq_length(0) == 3 and torch.equal(cache.layers[0].keys[:, :, :3], kv)
 
 
+def test_small_linears_are_the_linears_to_float_rounding():
+    """A compiled step traces the tenant's linears of few rows as float32 products summed
+    (client/step_graphs.py _SmallLinears): the linear's values to float rounding (float32; a
+    bfloat16 result rounded once from float32, as the GEMM's), with and without a bias; a linear of
+    more rows is left to F.linear."""
+    import torch.nn.functional as F
+
+    from symbiont.client.step_graphs import SMALL_ROWS, _SmallLinears
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        w, b = torch.randn(24, 64, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
+        for x in (torch.randn(1, 1, 64, generator=g).to(dtype), torch.randn(3, 64, generator=g).to(dtype)):
+            for bias in (None, b):
+                with _SmallLinears():
+                    got = F.linear(x, w, bias)
+                want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+                assert got.dtype == dtype and got.shape == want.shape
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # (float64: the reduction's float32 products tell it from F.linear's own)
+    w64 = torch.randn(24, 64, generator=g, dtype=torch.float64)
+    few, many = (torch.randn(n, 64, generator=g, dtype=torch.float64) for n in (SMALL_ROWS, SMALL_ROWS + 1))
+    with _SmallLinears():
+        got_few, got_many = F.linear(few, w64), F.linear(many, w64)
+    assert not torch.equal(got_few, F.linear(few, w64)) and torch.equal(got_many, F.linear(many, w64))
+
+
 def test_step_graphs_takes_only_its_three_values(executor):
     with pytest.raises(ValueError, match="step_graphs must be False, True or 'compiled'"):
         virtualize(build_builtin("tiny-llama"), executor.url, step_graphs="yes")
