@@ -297,6 +297,7 @@ SMALL_STATE = 64  # elements: a cache layer's tensor of at most this many is sta
 
 
 SMALL_ROWS = 16  # a linear of at most this many rows is a reduction in a compiled step (_SmallLinears)
+SMALL_PRODUCTS = 1 << 23  # ... and of at most this many products (rows x in x out: a LoRA's A or B is far fewer)
 
 
 class _SmallLinears(TorchFunctionMode):
@@ -311,7 +312,8 @@ class _SmallLinears(TorchFunctionMode):
         if func is torch.nn.functional.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if weight.dim() == 2 and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]:
+            if (weight.dim() == 2 and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]
+                    and x.numel() * weight.shape[0] <= SMALL_PRODUCTS):  # (what an eager run would make)
                 y = (x.float().unsqueeze(-1) * weight.t().float()).sum(-2)
                 return (y if bias is None else y + bias.float()).to(x.dtype)
         return func(*args, **kwargs)
