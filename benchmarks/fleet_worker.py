@@ -270,6 +270,8 @@ def several(a) -> int:
         if adapters is not None:
             mine.s9_adapter = adapters[j]
         model, conn, _ = prepare(mine)
+        if a.step_graphs and a.gemm_linears:
+            _steps_of(model).small_linears = False
         if a.settle_forward and "cuda" in a.device:
             model.register_forward_hook(settle)
         tenants.append((mine, model, conn))

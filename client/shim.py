@@ -478,7 +478,8 @@ _LINEAR_FUNCS = (torch.nn.functional.linear, torch._C._nn.linear)
 
 def linear_args(args, kwargs) -> tuple:
     """(input, weight, bias) of an F.linear call as a torch function mode sees it."""
-    return args[0], (args[1] if len(args) > 1 else kwargs.get("weight")), (args[2] if len(args) > 2 else kwargs.get("bias"))
+    return ((args[0] if args else kwargs.get("input")), (args[1] if len(args) > 1 else kwargs.get("weight")),
+            (args[2] if len(args) > 2 else kwargs.get("bias")))
 _TRANSPOSES = (torch.Tensor.T.__get__, torch.Tensor.t, torch.t, torch.Tensor.mT.__get__)
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 

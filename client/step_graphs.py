@@ -38,9 +38,11 @@ copies the step's inputs in, sends one request, and launches one graph.
   replay writes again, the same. The tenant's own linears of few rows (its LoRA's A and B at a
   decoding step) are traced as float32 products summed, which inductor fuses with their neighbours
   (instead of two cuBLAS GEMMs a LoRA: `model.forward.small_linears = False` keeps the GEMMs).
-  The capture then may not compile (a guard that fails raises
-  instead: the step runs eagerly from then on); a call of that run that fails leaves the step
-  eager once, to be captured at a later step. Exact to the compiled forward:
+  A compile inside the capture (a guard the run before it passed failing there) fails the
+  capture: the step runs eagerly from then on. A call of that run failing for a passing reason
+  (retry later, the executor away) leaves the step eager, captured again at a later step. One
+  compiled step is run and captured at a time in a process (dynamo's counts tell a compile during
+  the capture). Exact to the compiled forward:
   inductor's fusions round otherwise than eager kernels (float rounding; tests/test_gpu.py).
 - Graphs are kept per thread (a thread's steps replay its own graphs and buffers). A step that
   cannot be captured (transformers reading a GPU value on the host inside the forward, for
@@ -57,7 +59,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from symbiont.client.errors import RetryLaterError, SymbiontError
+from symbiont.client.errors import ExecutorUnavailableError, NotAttachedError, ResourceExhaustedError, RetryLaterError
 from symbiont.client.transports.local_programs import StaleProgram
 
 EAGER = ("labels", "inputs_embeds", "output_attentions", "output_hidden_states")  # a step given any of these runs eagerly
@@ -206,7 +208,17 @@ class StepGraphs:
                 step.inputs[name] = fixed[name] = v.clone()
             else:
                 fixed[name] = v
-        device = kwargs["input_ids"].device
+        with _COMPILED_CAPTURES if self._compiled is not None else contextlib.nullcontext():
+            output, headers = self._record(step, transport, cache, fixed, kwargs["input_ids"].device)
+        step.program = transport.define_program(headers)
+        step.output, step.transport, step.cache = output, transport, cache
+        step.layers = [_tensors(layer) for layer in cache.layers]
+        step.adopter = weakref.ref(cache)
+        self.captures += 1
+
+    def _record(self, step: _Step, transport, cache, fixed: dict, device: torch.device) -> tuple:
+        """Captures the step on `fixed` (compiled: after one run outside the capture): (its output,
+        its calls' headers)."""
         forward = self._compiled or self._forward
         # (the same modes around the run before the capture and the capture: dynamo guards on them)
         linears = _SmallLinears() if self._compiled is not None and self.small_linears else contextlib.nullcontext()
@@ -215,27 +227,26 @@ class StepGraphs:
                 with _cache_state_kept(cache), linears:
                     self._compiled(**fixed)
                 transport.confirm()  # (its calls' replies: a failure of theirs is not the capture's)
-            except SymbiontError as e:
+            except TRANSIENT as e:
                 raise _WarmRunFailed() from e
         torch.cuda.synchronize(device)  # (our calls before it are done: their replies are taken first)
         transport.begin_program()
         graph = torch.cuda.CUDAGraph()
         # (a compiled forward makes no host tensors; a mode around it would change its guards: compiled again)
-        # (no compiling inside the capture: a guard the run before it passed and this call would not raises instead)
-        host_data = _PinnedHostData(step.host) if self._compiled is None else torch.compiler.set_stance("fail_on_recompile")
+        host_data = _PinnedHostData(step.host) if self._compiled is None else contextlib.nullcontext()
+        compiled_before = _graphs_compiled()
         try:
             # (thread_local: another thread's synchronise meanwhile neither fails nor ends this capture)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"), host_data, linears:
                 output = forward(**fixed)
+                if _graphs_compiled() != compiled_before:  # (a guard the run before it passed failed here)
+                    raise RuntimeError("the compiled step was compiled again inside its capture")
                 headers = transport.end_program()
         except BaseException:
             transport.abort_program()
             raise
-        step.program = transport.define_program(headers)
-        step.graph, step.output, step.transport, step.cache = graph, output, transport, cache
-        step.layers = [_tensors(layer) for layer in cache.layers]
-        step.adopter = weakref.ref(cache)
-        self.captures += 1
+        step.graph = graph
+        return output, headers
 
     def _replay(self, step: _Step, kwargs):
         cache = _cache(kwargs)
@@ -275,6 +286,17 @@ class StepGraphs:
         step.adopter = weakref.ref(cache)
 
 
+_COMPILED_CAPTURES = threading.Lock()  # a compiled step's run before its capture and capture, one at a time a process
+TRANSIENT = (ResourceExhaustedError, ExecutorUnavailableError, NotAttachedError)  # a warm run's call failures worth a retry
+
+
+def _graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 class _WarmRunFailed(Exception):
     """A call of a compiled step's run before its capture failed: the step runs eagerly, and is
     captured again at a later step of its shape."""
@@ -301,21 +323,26 @@ SMALL_PRODUCTS = 1 << 23  # ... and of at most this many products (rows x in x o
 
 
 class _SmallLinears(TorchFunctionMode):
-    """While a compiled step is traced: F.linear of at most SMALL_ROWS rows (the tenant's own
-    linears at a decoding step: its LoRA's A and B) as a product summed in float32, which inductor
-    fuses with the kernels around it, instead of a cuBLAS GEMM of its own (two of them a LoRA, four
-    LoRAs a layer: most of a compiled tenant's launches). The same precision as the GEMM (float32
-    products and sums, rounded once), another order of the sum."""
+    """While a compiled step is traced (only then): F.linear of at most SMALL_ROWS rows (the
+    tenant's own linears at a decoding step: its LoRA's A and B) as a product summed in float32 or
+    wider, which inductor fuses with the kernels around it, instead of a cuBLAS GEMM of its own (two
+    of them a LoRA, four LoRAs a layer: most of a compiled tenant's launches). The precision of the
+    GEMM (products and sums in float32, rounded once), another order of the sum. Inputs, weight and
+    bias of one dtype only, and not under autocast (whose F.linear computes in another dtype)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (weight.dim() == 2 and x.dim() >= 1 and x.numel() <= SMALL_ROWS * x.shape[-1]
+        if func is torch.nn.functional.linear and torch.compiler.is_compiling() and not torch.is_autocast_enabled():
+            from symbiont.client.shim import linear_args
+
+            x, weight, bias = linear_args(args, kwargs)
+            if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1
+                    and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+                    and x.numel() <= SMALL_ROWS * x.shape[-1]
                     and x.numel() * weight.shape[0] <= SMALL_PRODUCTS):  # (what an eager run would make)
-                y = (x.float().unsqueeze(-1) * weight.t().float()).sum(-2)
-                return (y if bias is None else y + bias.float()).to(x.dtype)
+                wide = torch.promote_types(x.dtype, torch.float32)
+                y = (x.to(wide).unsqueeze(-1) * weight.t().to(wide)).sum(-2)
+                return (y if bias is None else y + bias.to(wide)).to(x.dtype)
         return func(*args, **kwargs)
 
 

@@ -2,6 +2,8 @@
 tokens, LoRA gradients — for every architecture, against a real base-executor process."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -77,30 +79,76 @@ def test_a_compiled_steps_run_before_its_capture_leaves_the_caches_length():
 
 
 def test_small_linears_are_the_linears_to_float_rounding():
-    """A compiled step traces the tenant's linears of few rows as float32 products summed
-    (client/step_graphs.py _SmallLinears): the linear's values to float rounding (float32; a
-    bfloat16 result rounded once from float32, as the GEMM's), with and without a bias; a linear of
-    more rows is left to F.linear."""
+    """A compiled step traces the tenant's linears of few rows as products summed in float32
+    (client/step_graphs.py _SmallLinears, only while dynamo traces): the linear's values to float
+    rounding (float32; a bfloat16 result rounded once from float32, as the GEMM's), with and without
+    a bias, positional or by keyword; a linear of more rows, or run eagerly, is F.linear's own."""
     import torch.nn.functional as F
 
     from symbiont.client.step_graphs import SMALL_ROWS, _SmallLinears
+
+    def traced(*args, **kwargs):
+        torch._dynamo.reset()
+        with _SmallLinears():
+            return torch.compile(lambda *a, **k: F.linear(*a, **k), backend="aot_eager", fullgraph=True)(*args, **kwargs)
 
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         w, b = torch.randn(24, 64, generator=g).to(dtype), torch.randn(24, generator=g).to(dtype)
         for x in (torch.randn(1, 1, 64, generator=g).to(dtype), torch.randn(3, 64, generator=g).to(dtype)):
-            for bias in (None, b):
-                with _SmallLinears():
-                    got = F.linear(x, w, bias)
-                want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+            want = F.linear(x.float(), w.float(), b.float()).to(dtype)
+            for got in (traced(x, w, b), traced(x, weight=w, bias=b), traced(input=x, weight=w, bias=b)):
                 assert got.dtype == dtype and got.shape == want.shape
                 torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    # (float64: the reduction's float32 products tell it from F.linear's own)
+    # (float64: the reduction's order tells it from F.linear's own GEMM)
     w64 = torch.randn(24, 64, generator=g, dtype=torch.float64)
     few, many = (torch.randn(n, 64, generator=g, dtype=torch.float64) for n in (SMALL_ROWS, SMALL_ROWS + 1))
+    assert not torch.equal(traced(few, w64), F.linear(few, w64)) and torch.equal(traced(many, w64), F.linear(many, w64))
     with _SmallLinears():
-        got_few, got_many = F.linear(few, w64), F.linear(many, w64)
-    assert not torch.equal(got_few, F.linear(few, w64)) and torch.equal(got_many, F.linear(many, w64))
+        eager = F.linear(few, w64)
+    assert torch.equal(eager, F.linear(few, w64))  # (run eagerly: F.linear's own)
+
+
+def test_a_compiled_step_traces_its_lora_as_reductions_in_one_graph(executor):
+    """What step_graphs="compiled" compiles, on the CPU (the capture itself needs a GPU): a
+    virtualized LoRA model's forward at decoding steps, traced under _SmallLinears, is one graph
+    for every step (no graph break, no second compile) with no F.linear left (its LoRA's A and B
+    are reductions; its base layers are executor calls); traced without the mode it keeps them;
+    greedy tokens are the unsplit model's."""
+    import inspect
+
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from symbiont.client.step_graphs import _SmallLinears
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.target is F.linear))
+        return gm.forward
+
+    for mode in (_SmallLinears, contextlib.nullcontext):
+        torch._dynamo.reset()
+        counters.clear()
+        graphs.clear()
+        virt = virtualize(lora_model("tiny-llama"), executor.url)
+        root = virt.get_base_model()
+        forward, compiled = root.forward, torch.compile(root.forward, backend=backend)
+
+        def steps(*args, _forward=forward, _compiled=compiled, _mode=mode, **kwargs):
+            if kwargs["input_ids"].shape[1] != 1:
+                return _forward(*args, **kwargs)
+            with _mode():
+                return _compiled(*args, **kwargs)
+
+        steps.__signature__ = inspect.signature(forward)
+        root.forward = steps
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True)
+        prompt = ids(1, 7, seed=5)
+        assert torch.equal(virt.generate(prompt, **kw), lora_model("tiny-llama").generate(prompt, **kw))
+        assert len(graphs) == 1 and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+        assert (graphs[0] == 0) == (mode is _SmallLinears), graphs
 
 
 def test_step_graphs_takes_only_its_three_values(executor):
