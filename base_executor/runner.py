@@ -73,16 +73,18 @@ def flops(unit: Unit, op: int, tokens: int) -> float:
     return 2.0 * tokens * unit.in_features * unit.out_features
 
 
-def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None) -> torch.Tensor:
+def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None,
+         fuse_act: bool = False) -> torch.Tensor:
     """A gated MLP block, down(act(gate(x)) * up(x)), its gate and up one unit (a group, or one
     Linear like Phi-3's gate_up_proj), with the ops its module uses (forward is
     bitwise the module's with `exact`). BACKWARD recomputes the block from x (nothing is kept
-    between calls) and returns grad_x = [grad_gate, grad_up] W_gate_up."""
+    between calls) and returns grad_x = [grad_gate, grad_up] W_gate_up. `fuse_act`: act(gate) * up
+    in one kernel wherever the unit has it, not only from FUSE_MIN_ELEMENTS on."""
     pair, down = unit.members
     width = pair.out_features // 2  # [tokens, 2 * intermediate]: gate's columns, then up's
     if op == pb.FORWARD:
         gate_up = run(pair, pb.FORWARD, x, exact)  # [tokens, 2 * width]
-        if unit.act_mul is not None and x.shape[0] * width >= FUSE_MIN_ELEMENTS:
+        if unit.act_mul is not None and (fuse_act or x.shape[0] * width >= FUSE_MIN_ELEMENTS):
             a = unit.act_mul(gate_up)
         else:
             gate, up = gate_up.split(width, dim=-1)
@@ -122,7 +124,7 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, de
     o_proj, mlp, *qkv = unit.members
     hidden = o_proj.out_features
     a, r, d, *w = x.split([o_proj.in_features, hidden, delta_width(hidden, x.dtype)] + [hidden] * len(unit.norms), dim=-1)
-    pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
+    pieces = _span_pieces(unit)
     y = torch.empty(x.shape[0], sum(pieces), dtype=x.dtype, device=x.device) if out is None else out
     o, n2, m, *nxt = y.split(pieces, dim=-1)
     # a tenant's o_proj adapter adds its float32 delta to the base output as PEFT does, one
@@ -147,6 +149,13 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, de
     return y
 
 
+def _span_pieces(unit: Unit) -> list[int]:
+    """The widths of a span's output pieces, [o, n2, m, n1, qkv] (the last layer's: [o, n2, m])."""
+    o_proj, _, *qkv = unit.members
+    hidden = o_proj.out_features
+    return [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
+
+
 def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor) -> torch.Tensor:
     """A span's FORWARD as _span computes it, its elementwise work in two kernels
     (kernels/span_norms.py) and the MLP's act(gate) * up in one where the unit has it: 7 kernels
@@ -166,18 +175,10 @@ def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor) -> t
     if (not (x.is_contiguous() and out.is_contiguous()) or (x.data_ptr() + d_at * size) % 4
             or (x.stride(0) * size) % 4):
         return _span(unit, x, exact, out, ())
-    pieces = [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
-    _, _, m, *nxt = out.split(pieces, dim=-1)
+    _, _, m, *nxt = out.split(_span_pieces(unit), dim=-1)
     base = run(o_proj, pb.FORWARD, x[:, :r_at], exact)
     span_norms.o_and_norm(base, x, out, r_at, d_at, w2_at, 0, hidden, unit.norms[0].variance_epsilon)
-    pair, down = mlp.members
-    gate_up = run(pair, pb.FORWARD, out[:, hidden:2 * hidden], exact)
-    if mlp.act_mul is not None:
-        act = mlp.act_mul(gate_up)
-    else:
-        gate, up = gate_up.split(pair.out_features // 2, dim=-1)
-        act = mlp.act(gate) * up
-    run(down, pb.FORWARD, act, exact, m)
+    _mlp(mlp, pb.FORWARD, out[:, hidden:2 * hidden], exact, m, fuse_act=True)
     if qkv:
         span_norms.m_and_norm(x, out, hidden, r_at, w2_at + hidden, 0, 2 * hidden, 3 * hidden,
                               unit.norms[1].variance_epsilon)

@@ -232,6 +232,8 @@ def prepare(a):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.eval()
+    if a.step_graphs and a.gemm_linears:
+        _steps_of(model).small_linears = False
     return model, conn, names
 
 
@@ -270,8 +272,6 @@ def several(a) -> int:
         if adapters is not None:
             mine.s9_adapter = adapters[j]
         model, conn, _ = prepare(mine)
-        if a.step_graphs and a.gemm_linears:
-            _steps_of(model).small_linears = False
         if a.settle_forward and "cuda" in a.device:
             model.register_forward_hook(settle)
         tenants.append((mine, model, conn))
@@ -413,8 +413,6 @@ def main() -> int:
         if profiler:
             profiler[0].tick(units)
 
-    if a.step_graphs and a.gemm_linears:
-        _steps_of(model).small_linears = False
     if a.role == "finetune":
         out = finetune(a, model, deadline_of, tick)
     elif a.role == "infer":

@@ -84,7 +84,8 @@ def main() -> int:
               *(["--compile", a.compile] if a.compile else [])]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
-    for n, (pvariant, pextra) in ((n, v) for n in ns for v in fleet.tenant_variants(a.process_flags)):
+    pvariants = fleet.tenant_variants(a.process_flags)
+    for n, (pvariant, pextra) in ((n, v) for n in ns for v in pvariants):
         pwho = "processes" + (f", {pvariant}" if pvariant else "")
         if n <= a.max_processes:
             spy_path, spies = out / f"s3_{a.model}_{a.tag}_n{n}_process0_pyspy.txt", []
@@ -104,7 +105,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
             if n in profile_ns:
                 profiled(pworkers, pwho, n)
-        if n in mixed and pvariant == fleet.tenant_variants(a.process_flags)[0][0]:  # (once an N)
+        if n in mixed and pvariant == pvariants[0][0]:  # (once an N)
             res, base, peak = fleet.run_fleet([["--mode", "plain", "--role", "infer-mixed", "--adapters", str(n), *common]], a.seconds)
             rows.append({"k": n, "who": "one process, mixed adapters", **fleet.infer_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)

@@ -60,6 +60,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from symbiont.client.errors import ExecutorUnavailableError, NotAttachedError, ResourceExhaustedError, RetryLaterError
+from symbiont.client.shim import linear_args
 from symbiont.client.transports.local_programs import StaleProgram
 
 EAGER = ("labels", "inputs_embeds", "output_attentions", "output_hidden_states")  # a step given any of these runs eagerly
@@ -333,8 +334,6 @@ class _SmallLinears(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear and torch.compiler.is_compiling() and not torch.is_autocast_enabled():
-            from symbiont.client.shim import linear_args
-
             x, weight, bias = linear_args(args, kwargs)
             if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 1
                     and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)

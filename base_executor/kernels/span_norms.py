@@ -65,7 +65,7 @@ def _m_and_norm_kernel(x, out, width, x_stride, out_stride, r_at, w_at, o_at, m_
     tl.store(orow + n_at + cols, _norm(h2, tl.load(xr + w_at + cols, mask=on, other=0.0), inv_width, eps), mask=on)
 
 
-def _launch_args(x: torch.Tensor, out: torch.Tensor, width: int) -> tuple:
+def _launch_args(x: torch.Tensor, width: int) -> tuple:
     block = triton.next_power_of_2(width)
     # (no fused multiply-adds: each product and sum rounds on its own, as torch's separate ops do)
     return (x.shape[0],), dict(BLOCK=block, num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False)
@@ -77,7 +77,7 @@ def o_and_norm(base: torch.Tensor, x: torch.Tensor, out: torch.Tensor, r_at: int
     [rows, w] (o_proj's result, contiguous) and x's columns (r at r_at, d's float32 bits at d_at,
     w2 at w_at); x and out contiguous rows."""
     width = base.shape[1]
-    grid, kw = _launch_args(x, out, width)
+    grid, kw = _launch_args(x, width)
     _o_and_norm_kernel[grid](base, x, out, width, x.stride(0), out.stride(0), r_at, d_at, w_at, o_at, n_at,
                              1.0 / width, eps, **kw)
 
@@ -85,6 +85,6 @@ def o_and_norm(base: torch.Tensor, x: torch.Tensor, out: torch.Tensor, r_at: int
 def m_and_norm(x: torch.Tensor, out: torch.Tensor, width: int, r_at: int, w_at: int, o_at: int, m_at: int,
                n_at: int, eps: float) -> None:
     """Queues: out[:, n_at:+width] = n1 = norm((r + o) + m) with w1 (the module's docstring)."""
-    grid, kw = _launch_args(x, out, width)
+    grid, kw = _launch_args(x, width)
     _m_and_norm_kernel[grid](x, out, width, x.stride(0), out.stride(0), r_at, w_at, o_at, m_at, n_at,
                              1.0 / width, eps, **kw)
