@@ -141,12 +141,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.exact and args.gang_spans == "fused":
         raise SystemExit("--gang-spans fused computes a span's norms in another order than the tenant's layer: "
                          "not with --exact (batch-invariant results)")
+    gang_spans = args.gang_spans or ("eager" if args.exact else "fused")
     server_config = LocalServerConfig(
         name=name, mailbox_bytes=mailbox_mb << 20, max_mailbox_bytes=args.max_mailbox_mb << 20, spin_us=spin_us,
         gpu_waits=not args.no_gpu_waits, graph_tokens=0 if tensor else args.graph_tokens,
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
         ids_on_host=args.ids_on_host, max_tenants=args.max_tenants, gang_slots=args.gang_slots,
-        gang_wait_us=args.gang_wait_us, gang_lanes=args.gang_lanes, gang_spans=args.gang_spans,
+        gang_wait_us=args.gang_wait_us, gang_lanes=args.gang_lanes, gang_spans=gang_spans,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -516,9 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "recent members not in a round to ask for their next run")
     s.add_argument("--gang-lanes", type=int, default=4, help="same GPU: streams a gang's rounds run on at once (while "
                    "all are busy, runs gather into the next round)")
-    s.add_argument("--gang-spans", default="eager", choices=["eager", "fused"], help="same GPU: how a gang's round "
+    s.add_argument("--gang-spans", default=None, choices=["eager", "fused"], help="same GPU: how a gang's round "
                    "computes a layer span: with the tenant's layer's own ops (~36 kernels), or its norms and adds fused "
-                   "(7 kernels; within float rounding, as every ganged result is)")
+                   "(7 kernels; within float rounding, as every ganged result is); default fused, eager with --exact")
     s.add_argument("--catch-up-us", type=int, default=None, help="opportunistic: how long a queue waits for a tenant "
                    "whose queued later call will reach it (its earlier calls run meanwhile); 0: never; default 1000 "
                    "with --gpu-batches (where tenants queue calls ahead), else 0")

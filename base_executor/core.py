@@ -91,9 +91,27 @@ class Counters:
     per_tenant_refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-def span_deltas(calls: list[Call]) -> list | None:
-    """The hosted adapters of a batch of span calls, on their rows: [(first row, end row,
-    adapters.SpanDelta)] (runner.run); None for calls of any other unit."""
+class RowSpanDeltas:
+    """The hosted adapters of a batch of span calls, each on its calls' rows (runner.run's
+    span_deltas): `rows` [(first row, end row, adapters.SpanDelta)]."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def o(self, a: torch.Tensor, base: torch.Tensor) -> None:
+        for first, end, delta in self.rows:
+            if delta.o is not None:
+                delta.o.add_to(pb.FORWARD, a[first:end], base[first:end])
+
+    def qkv(self, n1: torch.Tensor, q: torch.Tensor) -> None:
+        for first, end, delta in self.rows:
+            if delta.qkv is not None:
+                delta.qkv.add_to(pb.FORWARD, n1[first:end], q[first:end])
+
+
+def span_deltas(calls: list[Call]) -> RowSpanDeltas | None:
+    """The hosted adapters of a batch of span calls (runner.run); None where none of them names
+    one, or for calls of any other unit."""
     if calls[0].unit.kind != SPAN:
         return None
     found, start = [], 0
@@ -101,7 +119,7 @@ def span_deltas(calls: list[Call]) -> list | None:
         if c.adapter is not None and c.tokens:
             found.append((start, start + c.tokens, c.adapter))
         start += c.tokens
-    return found
+    return RowSpanDeltas(found) if found else None
 
 
 def add_adapters(calls: list[Call], x: torch.Tensor, y: torch.Tensor) -> None:
@@ -142,7 +160,7 @@ class ExecutorCore:
         self.before_batch = None  # a transport's look at each batch popped, before it runs (where it runs)
 
     def _gemm(self, unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | None = None,
-              span_deltas: list | None = None) -> torch.Tensor:
+              span_deltas: RowSpanDeltas | None = None) -> torch.Tensor:
         if self.tp is not None:
             return self.tp.run(unit, op, x, out)
         return runner.run(unit, op, x, exact, out, span_deltas)

@@ -21,8 +21,10 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
     Embedding ids are looked up clamped to the table's rows: ids the executor did not check (a
     same-GPU tenant's, which its transport checks: client/transports/ids.py) read a row of the
     table, never memory beyond it.
-    span_deltas: a span unit's hosted adapters, [(first row, end row, adapters.SpanDelta)] (any
-    other unit's are added to its result by the caller).
+    span_deltas: a span unit's hosted adapters, None or an object whose o(a, base) and
+    qkv(n1, q) add them where o_proj's and q/k/v's own calls would (core.RowSpanDeltas: each
+    adapter on its calls' rows; gangs' rounds: each slot's); any other unit's are added to its
+    result by the caller.
 
     Each op is computed with the same primitive the replaced module uses (F.linear of a 2-D
     input is addmm, or mm without a bias), so a virtualized model is bitwise equal to the
@@ -52,7 +54,7 @@ def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Te
     elif unit.kind == MLP:
         return _mlp(unit, op, x, exact, out)
     elif unit.kind == SPAN and op == pb.FORWARD:
-        return _span(unit, x, exact, out, span_deltas or ())
+        return _span(unit, x, exact, out, span_deltas)
     elif unit.kind == EMBEDDING:
         if op == pb.FORWARD:  # (F.embedding's forward is this index_select: bitwise the module's rows)
             ids = x.clamp(0, w.shape[0] - 1)  # ids no one checked (a tenant's GPU memory) never read out of bounds
@@ -113,11 +115,11 @@ def _mlp(unit: Unit, op: int, x: torch.Tensor, exact: bool, out: torch.Tensor | 
     raise ValueError(f"MLP unit {unit.id} does not support {pb.Op.Name(op)}")
 
 
-def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, deltas) -> torch.Tensor:
+def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, deltas=None) -> torch.Tensor:
     """A layer span's FORWARD (proto/layer_span.py): x = [a, r, d, w2, w1] per token (d float32, its bits),
     out [o, n2, m, n1, qkv], each piece with the ops the tenant's layer would run (so, at one call
-    a batch, bitwise what its own layer gives), the norms with the tenant's weights w2, w1. A hosted
-    adapter's deltas (SpanDelta, on its calls' rows) are added to o_proj's and q/k/v's results as
+    a batch, bitwise what its own layer gives), the norms with the tenant's weights w2, w1. Hosted
+    adapters' deltas (`deltas`: run's span_deltas) are added to o_proj's and q/k/v's results as
     their own calls add them."""
     from symbiont.proto.layer_span import delta_of, delta_width, norm
 
@@ -131,9 +133,8 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, de
     # rounding (a served-dtype adapter's delta the same: its add's math is float32 too)
     a = a.contiguous()
     base = run(o_proj, pb.FORWARD, a, exact)
-    for first, end, delta in deltas:
-        if delta.o is not None:
-            delta.o.add_to(pb.FORWARD, a[first:end], base[first:end])
+    if deltas is not None:
+        deltas.o(a, base)
     o.copy_(base.float() + delta_of(d))
     h = r + o
     n2.copy_(norm(unit.norms[0], h, w[0]))
@@ -143,9 +144,8 @@ def _span(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor | None, de
         n1.copy_(norm(unit.norms[1], h + m, w[1]))
         n1 = n1.contiguous()
         q.copy_(run(qkv[0], pb.FORWARD, n1, exact))
-        for first, end, delta in deltas:
-            if delta.qkv is not None:
-                delta.qkv.add_to(pb.FORWARD, n1[first:end], q[first:end])
+        if deltas is not None:
+            deltas.qkv(n1, q)
     return y
 
 
@@ -156,13 +156,13 @@ def _span_pieces(unit: Unit) -> list[int]:
     return [hidden] * 3 + ([hidden, qkv[0].out_features] if qkv else [])
 
 
-def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor) -> torch.Tensor:
+def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor, deltas=None) -> torch.Tensor:
     """A span's FORWARD as _span computes it, its elementwise work in two kernels
     (kernels/span_norms.py) and the MLP's act(gate) * up in one where the unit has it: 7 kernels
     instead of ~36, within float rounding of _span (not bitwise: the norms' sums in another
-    order). For gangs' rounds, whose results are within the batching tolerance anyway; no hosted
-    adapter. x and out are contiguous [rows, width]; where d's float32 bits do not fall on 4-byte
-    boundaries, _span computes it."""
+    order). For gangs' rounds, whose results are within the batching tolerance anyway; hosted
+    adapters' deltas as _span adds them. x and out are contiguous [rows, width]; where d's float32
+    bits do not fall on 4-byte boundaries, _span computes it."""
     from symbiont.base_executor.kernels import span_norms
     from symbiont.proto.layer_span import delta_width
 
@@ -174,15 +174,19 @@ def span_fused(unit: Unit, x: torch.Tensor, exact: bool, out: torch.Tensor) -> t
     size = x.element_size()
     if (not (x.is_contiguous() and out.is_contiguous()) or (x.data_ptr() + d_at * size) % 4
             or (x.stride(0) * size) % 4):
-        return _span(unit, x, exact, out, ())
+        return _span(unit, x, exact, out, deltas)
     _, _, m, *nxt = out.split(_span_pieces(unit), dim=-1)
     base = run(o_proj, pb.FORWARD, x[:, :r_at], exact)
+    if deltas is not None:
+        deltas.o(x[:, :r_at], base)
     span_norms.o_and_norm(base, x, out, r_at, d_at, w2_at, 0, hidden, unit.norms[0].variance_epsilon)
     _mlp(mlp, pb.FORWARD, out[:, hidden:2 * hidden], exact, m, fuse_act=True)
     if qkv:
         span_norms.m_and_norm(x, out, hidden, r_at, w2_at + hidden, 0, 2 * hidden, 3 * hidden,
                               unit.norms[1].variance_epsilon)
         run(qkv[0], pb.FORWARD, nxt[0], exact, nxt[1])
+        if deltas is not None:
+            deltas.qkv(nxt[0], nxt[1])
     return out
 
 

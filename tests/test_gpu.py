@@ -986,6 +986,33 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
             torch.testing.assert_close(together[seed][f"scores:{i}"], solo[seed][f"scores:{i}"], rtol=1e-4, atol=1e-4)
 
 
+def test_hosted_adapters_of_four_tenants_run_in_gangs(tmp_path):
+    """Four same-GPU tenant processes decode with step graphs, each naming its own hosted adapter
+    (q, k, v, o; ranks 8 to 64): their programs share a gang, each slot's adapter computed in the
+    round (kernels/gang_lora.py, inside the fused spans), and each tenant's greedy tokens equal its
+    run alone (its programs on its own stream, the adapter's deltas as torch ops) and the unsplit
+    PEFT model's, its scores to the rounding of GEMMs batched with the others'."""
+    from tests.jobs.solo_job import hosted_lora
+
+    with running_executor("tiny-llama", "--device", "cuda:0") as ex:
+        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, "hsteps")
+    paths = dict(stats.call_paths)
+    ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
+    print(f"together: {ganged} runs in gangs; paths {paths}; {stats.adapter_calls} adapter calls")
+    assert stats.errors == 0
+    assert dict(before.call_paths).get("step program, ganged", 0) == 0, "a lone tenant's runs went to a gang"
+    assert ganged >= 4 * 3 * 10, f"{ganged} runs in gangs"
+    assert stats.adapter_calls - before.adapter_calls >= ganged * 2
+    kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    for seed in range(4):
+        ref = hosted_lora(seed, build_builtin("tiny-llama").cuda()).eval()
+        for i in range(3):
+            key = f"tokens:{i}"
+            assert torch.equal(together[seed][key], solo[seed][key]), f"tenant {seed}: {key}"
+            assert torch.equal(ref.generate(together[seed][key][:, :6].cuda(), **kw).cpu(), together[seed][key])
+            torch.testing.assert_close(together[seed][f"scores:{i}"], solo[seed][f"scores:{i}"], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("flags", [(), ("--solo-tokens", "0"), ("--solo-tokens", "0", "--gpu-batches")],
                          ids=["default", "batched", "gpu-batches"])
 def test_four_fine_tuning_tenants_together_get_their_solo_adapters(tmp_path, flags):

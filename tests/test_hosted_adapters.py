@@ -598,3 +598,103 @@ def test_span_calls_of_three_tenants_batch_with_each_its_own_adapter():
     mlp = core.adapters.host(1, pb.HostAdapterRequest(name="mlp", weights=[weight]))
     with pytest.raises(Exception, match="adapts the MLP inside span"):
         core.adapted(1, mlp.id, table.get(span))
+
+
+def _host_on(core, owner, name, seed, rank, targets=("q_proj", "v_proj", "o_proj"), scale=0.5):
+    """An adapter of `rank` on every layer's `targets`."""
+    weights = []
+    g = torch.Generator().manual_seed(seed)
+    for uid, unit in core.table.units.items():
+        if uid.endswith(targets) and not unit.members:
+            weights.append(pb.AdapterWeight(
+                unit=uid, rank=rank, dtype=dtype_enum(torch.float32), scale=scale,
+                a=(torch.randn(rank, unit.in_features, generator=g) * 0.1).numpy().tobytes(),
+                b=(torch.randn(unit.out_features, rank, generator=g) * 0.1).numpy().tobytes()))
+    return core.adapters.host(owner, pb.HostAdapterRequest(name=name, weights=weights))
+
+
+def test_a_gang_rounds_hosted_adapters_are_each_slots_own():
+    """Hosted adapters in a gang's round (transports/gangs.py, kernels/gang_lora.py in Triton's
+    interpreter): three slots of two rows each, two naming adapters of different ranks (one above
+    a kernel's rank block), one sitting the round out: at a layer span (eager and fused) and at the
+    first layer's q/k/v group, each taking-part slot's rows get its own adapter, within float32
+    rounding of the per-call deltas (core.RowSpanDeltas, adapters.Delta.add_to), and the rows of the
+    slot sitting out are left as the unit computes them."""
+    from symbiont.base_executor import runner
+    from symbiont.base_executor.core import RowSpanDeltas
+    from symbiont.base_executor.kernels import gang_lora
+    from symbiont.base_executor.transports.gangs import _SlotDeltas, adapter_parts, gang_key
+    from tests.models import span_batch
+
+    model = build_builtin(NAME)
+    table = UnitTable(model)
+    assert table.add_spans(model) == 2
+    core = ExecutorCore(table, torch.float32, torch.device("cpu"), SchedulerConfig())
+    adapters = [_host_on(core, 1, "low", seed=1, rank=3), _host_on(core, 2, "high", seed=2, rank=21)]
+    rows, seqs = 2, torch.tensor([1, 0, 5], dtype=torch.int32)  # (slot 1 sits out)
+    group = next(u for u in table.units.values() if u.members and u.id.startswith("model.layers.0.") and "q_proj" in u.id)
+    span = table.get("model.layers.0.span")
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for unit in (span, group):
+        deltas = [core.adapters.delta(a.owner, a.id, unit) for a in adapters]
+        calls = [Call(tenant=s, call_id=s, unit=unit, op=pb.FORWARD, x=torch.zeros(rows, unit.in_features), out_shape=[],
+                      latency=pb.INFERENCE, arrived=0.0, adapter=d, adapter_id=1) for s, d in enumerate(deltas)]
+        parts = [adapter_parts(c) for c in calls]
+        assert [p[:5] for p in parts[0]] == [p[:5] for p in parts[1]] and parts[0], "the two adapters' deltas sit alike"
+        entries = [[v for p in ps for v in gang_lora.entry(p[5].a, p[5].b, p[5].scale)] for ps in parts]
+        ad_table = torch.tensor([entries[0], [0] * len(entries[0]), entries[1]], dtype=torch.int64)  # (slot 1: none)
+        hooks = _SlotDeltas([p[:5] for p in parts[0]], 0, ad_table, seqs, rows, torch.zeros(3 * rows, 1024))
+        row_deltas = [(0, rows, deltas[0]), (2 * rows, 3 * rows, deltas[1])]
+        if unit is span:
+            x = span_batch(unit, 3 * rows, torch.float32)
+            plain = runner.run(unit, pb.FORWARD, x)
+            want = runner.run(unit, pb.FORWARD, x, False, None, RowSpanDeltas(row_deltas))
+            got = runner.run(unit, pb.FORWARD, x, False, None, hooks)
+            fused = runner.span_fused(unit, x, False, torch.empty_like(want), hooks)
+            torch.testing.assert_close(fused, want, **tol)
+        else:
+            x = torch.randn(3 * rows, unit.in_features, generator=torch.Generator().manual_seed(3))
+            plain = runner.run(unit, pb.FORWARD, x)
+            want = plain.clone()
+            for first, end, d in row_deltas:
+                d.add_to(pb.FORWARD, x[first:end], want[first:end])
+            got = plain.clone()
+            hooks.add("y", x, got)
+        torch.testing.assert_close(got, want, **tol)
+        assert torch.equal(got[rows:2 * rows], plain[rows:2 * rows]), "the slot sitting out got a delta"
+        assert not torch.allclose(got[:rows], plain[:rows]) and not torch.allclose(got[2 * rows:], plain[2 * rows:])
+    private = Call(tenant=3, call_id=3, unit=span, op=pb.FORWARD, x=torch.zeros(rows, span.in_features), out_shape=[],
+                   latency=pb.INFERENCE, arrived=0.0, adapter=None, adapter_id=0)
+    hosted = Call(tenant=1, call_id=1, unit=span, op=pb.FORWARD, x=torch.zeros(rows, span.in_features), out_shape=[],
+                  latency=pb.INFERENCE, arrived=0.0, adapter=core.adapters.delta(1, adapters[0].id, span), adapter_id=1)
+    for c in (private, hosted):
+        c.out = torch.zeros(rows, span.out_features)
+    assert gang_key([private]) != gang_key([hosted]) and None not in (gang_key([private]), gang_key([hosted]))
+    hosted.op = pb.BACKWARD
+    assert adapter_parts(hosted) is None and gang_key([hosted]) is None
+
+
+def test_a_gang_lora_kernel_adds_each_slots_adapter_on_its_rows():
+    """kernels/gang_lora.py in Triton's interpreter: slots of rows with adapters of ranks 0, 8, 37
+    (several rank blocks) and 16, one slot sitting out, rows of a strided x, the result written into
+    columns of a wider y: each taking-part slot's rows get Delta.add_to's term within float32
+    rounding, every other element of y is left as it was."""
+    from symbiont.base_executor.adapters import Delta
+    from symbiont.base_executor.kernels import gang_lora
+
+    g = torch.Generator().manual_seed(0)
+    slots, rows, k, n = 4, 2, 96, 200
+    deltas = [Delta(torch.randn(r, k, generator=g), torch.randn(n, r, generator=g), s)
+              for r, s in [(8, 0.5), (0, 1.0), (37, -2.0), (16, 1.5)]]
+    x = torch.randn(slots * rows, k + 10, generator=g)[:, 5:5 + k]
+    y = torch.randn(slots * rows, n + 30, generator=g)
+    table = torch.tensor([[0] * 3 + gang_lora.entry(d.a, d.b, d.scale) for d in deltas], dtype=torch.int64)
+    seqs = torch.tensor([1, 1, 0, 3], dtype=torch.int32)
+    want = y.clone()
+    for s, d in enumerate(deltas):
+        if seqs[s] and d.a.shape[0]:
+            d.add_to(pb.FORWARD, x[s * rows:(s + 1) * rows], want[s * rows:(s + 1) * rows, 7:7 + n])
+    got = y.clone()
+    gang_lora.add(x, got, 7, n, table, 3, seqs, rows, torch.zeros(slots * rows, 1024), torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2:6], y[2:6]) and torch.equal(got[:, :7], y[:, :7]) and torch.equal(got[:, 7 + n:], y[:, 7 + n:])

@@ -15,6 +15,13 @@ together still run at once. A round waits for its slowest tenant: a tenant that 
 round, and the lane it is on, until it is detached (LocalServerConfig.input_timeout_s), as a
 batch does.
 
+Hosted adapters: programs naming hosted adapters (tenants' own or the provider's, any ranks) whose
+deltas sit at the same places share gangs too (not with programs naming none, which pay no
+adapter kernels). A slot's adapter at each delta is in the gang's adapter table, and each delta
+of a call is two kernels over all the round's rows (kernels/gang_lora.py), each slot its own
+adapter. The gang keeps a slot's adapter tensors until every round that read them is done, so a
+paged-out or removed adapter's memory is not reused under a queued round.
+
 The batch's GEMM is not bitwise the lone one (another kernel over more rows): a ganged tenant's
 results are within the batching tolerance of its lone ones (README), its greedy tokens the same.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from symbiont.base_executor import runner
+from symbiont.base_executor.adapters import MAX_RANK, Delta, GroupDelta, SpanDelta
 from symbiont.base_executor.catalog import SPAN
 from symbiont.base_executor.graphs import capture
 from symbiont.base_executor.kernels import gang_words
@@ -32,22 +40,79 @@ from symbiont.proto.cuda_ipc import stream_write
 
 IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
 MAX_ROW_BYTES = 1 << 20  # a call's input or output row of one tenant that a gang copies, at most
+ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # hosted adapters' dtypes gangs compute (gang_lora)
 
 
 def gang_key(calls: list) -> tuple | None:
-    """What programs must share to be one gang's (each call's unit, op, shapes and dtypes); None
-    for a program that cannot be in a gang (a hosted adapter or a merged copy; rows not whole
-    int32 words, or over MAX_ROW_BYTES)."""
+    """What programs must share to be one gang's (each call's unit, op, shapes and dtypes, and
+    where its hosted adapter's deltas are: adapter_parts); None for a program that cannot be in a
+    gang (a merged copy, an adapter on a backward call; rows not whole int32 words, or over
+    MAX_ROW_BYTES)."""
     key = []
     for c in calls:
-        if c.adapter is not None or c.merge_epoch or c.out is None:
+        if c.merge_epoch or c.out is None:
             return None
         for t in (c.x, c.out):
             nbytes = t.numel() * t.element_size()
             if not t.is_contiguous() or nbytes % 4 or nbytes > MAX_ROW_BYTES or t.data_ptr() % 4:
                 return None
-        key.append((c.unit.id, c.op, c.latency, tuple(c.x.shape), c.x.dtype, tuple(c.out.shape), c.out.dtype))
+        parts = adapter_parts(c)
+        if parts is None:
+            return None
+        key.append((c.unit.id, c.op, c.latency, tuple(c.x.shape), c.x.dtype, tuple(c.out.shape), c.out.dtype,
+                    tuple(p[:5] for p in parts)))
     return tuple(key)
+
+
+def adapter_parts(call) -> list | None:
+    """Where a call's hosted adapter adds its deltas: [(at, first column, width, input width,
+    dtype, Delta)], `at` "y" (the unit's result), "o" or "qkv" (a span's o_proj and q/k/v
+    results, runner._span); [] for a call naming none; None where a gang cannot add them (a
+    backward call, an adapter of another kind or over MAX_RANK)."""
+    d = call.adapter
+    if d is None:
+        return []
+    if call.op not in (pb.FORWARD, pb.FORWARD_NO_BIAS) or call.x.dim() != 2:
+        return None
+    if isinstance(d, SpanDelta):
+        found = [("o", 0, d.o.b.shape[0], d.o.a.shape[1], d.o) for _ in (d.o,) if d.o is not None]
+        found += [("qkv", a, b - a, delta.a.shape[1], delta) for a, b, delta in (d.qkv.parts if d.qkv else ())]
+    elif isinstance(d, GroupDelta):
+        found = [("y", a, b - a, delta.a.shape[1], delta) for a, b, delta in d.parts]
+    elif isinstance(d, Delta):
+        found = [("y", 0, d.b.shape[0], d.a.shape[1], d)]
+    else:
+        return None
+    if any(not (p[4].a.is_contiguous() and p[4].b.is_contiguous()) or p[4].a.shape[0] > MAX_RANK
+           or p[4].a.dtype not in ADAPTER_DTYPES or p[4].b.dtype != p[4].a.dtype for p in found):
+        return None
+    return [(at, first, width, k, delta.a.dtype, delta) for at, first, width, k, delta in found]
+
+
+class _SlotDeltas:
+    """A gang call's hosted adapters in a round: at each of its parts (adapter_parts), each
+    taking-part slot's own delta on its rows (kernels/gang_lora.py, the slot's adapter from the
+    gang's adapter table, whose columns for this call start at `col`). o(a, base) and qkv(n1, q)
+    are a span's (runner.run's span_deltas); add("y", x, y) a unit's result."""
+
+    def __init__(self, parts: list, col: int, adapters: torch.Tensor, seqs: torch.Tensor, rows: int, t: torch.Tensor):
+        from symbiont.base_executor.kernels import gang_lora
+
+        self.parts = [(*p, col + i * gang_lora.FIELDS) for i, p in enumerate(parts)]
+        self.adapters, self.seqs, self.rows, self.t = adapters, seqs, rows, t
+
+    def add(self, at: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        from symbiont.base_executor.kernels import gang_lora
+
+        for where, first, width, _, dtype, col in self.parts:
+            if where == at:
+                gang_lora.add(x, y, first, width, self.adapters, col, self.seqs, self.rows, self.t, dtype)
+
+    def o(self, a: torch.Tensor, base: torch.Tensor) -> None:
+        self.add("o", a, base)
+
+    def qkv(self, n1: torch.Tensor, q: torch.Tensor) -> None:
+        self.add("qkv", n1, q)
 
 
 class LaneStream:
@@ -93,8 +158,16 @@ class Gang:
         self.slots = slots
         self.setup = setup
         self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
+        from symbiont.base_executor.kernels import gang_lora  # (Triton, imported where gangs run)
+
+        self.parts = [[p[:5] for p in adapter_parts(c)] for c in calls]  # each call's hosted adapter deltas (the key's)
+        n_parts = sum(map(len, self.parts))
         with torch.cuda.stream(setup):
             self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
+            # each slot's adapter at each part (kernels/gang_lora.py); rank 0 until a member's is written
+            self.adapters = torch.zeros((slots, max(1, n_parts) * gang_lora.FIELDS), dtype=torch.int64, device=device)
+        self._kept: dict[int, list] = {}  # slot -> its member's adapter deltas (their tensors the table points at)
+        self._dropped: list = []  # (events of rounds that may read them, deltas) of members gone
         self.lanes = [_Lane(on, slots, device) for on in streams]
         self._after_setup()
         self._slot_rounds: list = [[] for _ in range(slots)]  # per slot, the events after rounds it took part in
@@ -116,6 +189,7 @@ class Gang:
 
     def free_slot(self) -> int | None:
         """A slot no member holds and no round queued still reads."""
+        self._dropped = [(events, kept) for events, kept in self._dropped if not all(e.query() for e in events)]
         for s in range(self.slots):
             if s not in self.members:
                 self._slot_rounds[s] = [e for e in self._slot_rounds[s] if not e.query()]
@@ -127,10 +201,17 @@ class Gang:
         """Gives `slot` to a program of a tenant whose mailbox input word is at `words`."""
         p_in, p_out = mailbox.program_words(words)
         row = [words, p_in, p_out, out_word] + [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
+        from symbiont.base_executor.kernels import gang_lora
+
         values = torch.tensor(row, dtype=torch.int64).pin_memory()
+        deltas = [p[5] for c in program.calls for p in adapter_parts(c)]
+        adapters = torch.tensor([v for d in deltas for v in gang_lora.entry(d.a, d.b, d.scale)] or [0],
+                                dtype=torch.int64).pin_memory()
         with torch.cuda.stream(self.setup):
             self.table[slot].copy_(values, non_blocking=True)
+            self.adapters[slot, :adapters.numel()].copy_(adapters, non_blocking=True)
         self._after_setup()
+        self._kept[slot] = deltas
         self.members[slot] = program
         program.gang, program.gang_slot = self, slot
 
@@ -138,6 +219,9 @@ class Gang:
         """The program's slot goes (reused once the rounds queued with it are done)."""
         if self.members.get(program.gang_slot) is program:
             del self.members[program.gang_slot]
+            kept = self._kept.pop(program.gang_slot, [])
+            if kept:  # (kept until the rounds queued with them are done: a queued round may still read them)
+                self._dropped.append((list(self._slot_rounds[program.gang_slot]), kept))
             if program.tenant.id not in self.tenants():
                 self.active.pop(program.tenant.id, None)
         program.gang = None
@@ -175,20 +259,37 @@ class Gang:
             x = torch.zeros((slots * c.x.shape[0], *c.x.shape[1:]), dtype=c.x.dtype, device=device)
             y = torch.empty((slots * c.out.shape[0], *c.out.shape[1:]), dtype=c.out.dtype, device=device)
             batches.append((x, y))
-        lane.batches = batches
+        from symbiont.base_executor.kernels import gang_lora
+
         seqs, table = lane.seqs, self.table
+        hosted = [None] * n
+        rows = [c.x.shape[0] for c, parts in zip(self.calls, self.parts) if parts]
+        if rows:  # (one float32 scratch for every delta's x A^T: the round's deltas run one after another)
+            t = torch.empty((slots * max(rows), MAX_RANK), dtype=torch.float32, device=device)
+            batches.append((t, None))
+            col = 0
+            for k, (c, parts) in enumerate(zip(self.calls, self.parts)):
+                if parts:
+                    hosted[k] = _SlotDeltas(parts, col, self.adapters, seqs, c.x.shape[0], t)
+                    col += len(parts) * gang_lora.FIELDS
+        lane.batches = batches
 
         def round_() -> None:
             gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
-            for k, (c, (x, y)) in enumerate(zip(self.calls, batches), 1):
+            for k, (c, (x, y), deltas) in enumerate(zip(self.calls, batches, hosted), 1):
                 gang_words.wait(table, PROGRAM_IN, seqs, k)
                 if k == n:  # (the next run's first wait must not pass on this run's last number)
                     gang_words.write(table, PROGRAM_IN, seqs, 0)
                 gang_words.gather(table, 4 + k - 1, seqs, x)
-                if fused_spans and c.unit.kind == SPAN and c.op == pb.FORWARD:
-                    runner.span_fused(c.unit, x, exact, y)
+                if c.unit.kind == SPAN and c.op == pb.FORWARD:  # (its deltas inside: runner's span_deltas)
+                    if fused_spans:
+                        runner.span_fused(c.unit, x, exact, y, deltas)
+                    else:
+                        runner.run(c.unit, c.op, x, exact, y, deltas)
                 else:
                     runner.run(c.unit, c.op, x, exact, y)
+                    if deltas is not None:
+                        deltas.add("y", x, y)
                 gang_words.scatter(y, table, 4 + n + k - 1, seqs)
                 gang_words.write(table, PROGRAM_OUT, seqs, k)
             gang_words.write(table, OUT_WORD, seqs, from_seq=True)

@@ -53,6 +53,7 @@ class Program:
     tenant: Tenant | None = None
     gang: Gang | None = None  # the gang it has a slot in (transports/gangs.py)
     gang_slot: int = -1
+    hosted: dict = dataclasses.field(default_factory=dict)  # hosted adapter id -> (its calls naming it, their tokens)
 
 
 @dataclasses.dataclass(eq=False, frozen=True)
@@ -155,6 +156,10 @@ class LocalPrograms:
         areas.next_program += 1
         counts = ProgramCounts(tuple((c.unit, c.op, c.tokens, c.latency, t.id, c.adapter_id, 0) for c in calls))
         areas.programs[pid] = prog = Program(captured, calls, counts, tenant=t)
+        for c in calls:
+            if c.adapter_id:
+                n, tokens = prog.hosted.get(c.adapter_id, (0, 0))
+                prog.hosted[c.adapter_id] = (n + 1, tokens + c.tokens)
         try:
             self._join_gang(prog)
         except Exception:  # (its runs go alone)
@@ -367,7 +372,8 @@ class LocalPrograms:
     def _launch_gang(self, gang: Gang, lane) -> None:
         if lane.graph is None:
             try:
-                gang.capture(lane, self.core.scheduler.config.exact, fused_spans=self.config.gang_spans == "fused")
+                exact = self.core.scheduler.config.exact
+                gang.capture(lane, exact, fused_spans=self.config.gang_spans == "fused" and not exact)
             except Exception:
                 lane.failures += 1
                 log.exception("a gang's round could not be captured (%d of %d tries)", lane.failures, CAPTURE_TRIES)
@@ -400,6 +406,9 @@ class LocalPrograms:
                 self._reclaim(t, f"internal error on its reply: {type(e).__name__}: {e}", release=True)
             k.per_tenant_calls[t.id] += len(prog.calls)
             k.per_tenant_tokens[t.id] += sum(c.tokens for c in prog.calls)
+            for aid, (calls, tokens) in prog.hosted.items():  # (on the device: hits, recent; the orchestrator's traffic)
+                self.core.count_adapter(aid, calls, tokens, False)
+                self.core.adapters.touch(aid, calls)
         self.paths[GANG] += len(runs)
         n = len(runs)
         for c in gang.calls:

@@ -1,7 +1,8 @@
 """A tenant job for the multi-tenant tests: `train` runs LoRA SGD steps, `generate` greedy
 decodes a few prompts, `steps` too with its decoding steps replayed as CUDA graphs (a same-GPU
 tenant: virtualize(step_graphs=True)), `csteps` with them captured from the compiled forward
-(step_graphs="compiled"); each saves what it computed to --out."""
+(step_graphs="compiled"), `hsteps` as `steps` with the tenant's adapter hosted by the executor
+(hosted_lora); each saves what it computed to --out."""
 from __future__ import annotations
 
 import argparse
@@ -81,8 +82,28 @@ def generate(url: str, prompts: int, sync=lambda: None, device: str = "cpu", see
     return {k: v.cpu() for k, v in out.items()}
 
 
-def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", seed: int = 0, graphs=True) -> dict:
-    model = virtualize(build_builtin("tiny-llama").to(device), url, step_graphs=graphs)
+def hosted_lora(seed: int, base=None):
+    """The adapter an `hsteps` job hosts: LoRA on q, k, v, o of a rank that depends on the seed
+    (8, 16, 32, 64), random A and B (on `base`, or the built-in tiny-llama)."""
+    from peft import LoraConfig, get_peft_model
+
+    rank = 8 << (seed % 4)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        init_lora_weights=False, lora_dropout=0.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(50 + seed)
+        return get_peft_model(build_builtin("tiny-llama") if base is None else base, config)
+
+
+def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", seed: int = 0, graphs=True,
+          hosted: bool = False) -> dict:
+    if hosted:
+        from symbiont import connect
+
+        url = connect(url)
+        url.host_adapter(f"mine{seed}", hosted_lora(seed), device=device)
+    model = virtualize(build_builtin("tiny-llama").to(device), url, step_graphs=graphs,
+                       **(dict(adapter=f"mine{seed}") if hosted else {}))
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
               output_scores=True, return_dict_in_generate=True)
     model.generate(ids(1, 6, seed=1000 * seed).to(device), **kw)  # (its steps captured before the others meet)
@@ -99,7 +120,7 @@ def steps(url: str, prompts: int, sync=lambda: None, device: str = "cuda:0", see
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
-    p.add_argument("--mode", choices=["train", "generate", "steps", "csteps"], required=True)
+    p.add_argument("--mode", choices=["train", "generate", "steps", "csteps", "hsteps"], required=True)
     p.add_argument("--n", type=int, default=6)
     p.add_argument("--out", required=True)
     p.add_argument("--barrier", default=None, help="a folder the jobs meet in before their loops")
@@ -109,6 +130,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
     compiled_steps = functools.partial(steps, graphs="compiled")
-    result = {"train": train, "generate": generate, "steps": steps, "csteps": compiled_steps}[a.mode](
+    hosted_steps = functools.partial(steps, hosted=True)
+    result = {"train": train, "generate": generate, "steps": steps, "csteps": compiled_steps, "hsteps": hosted_steps}[a.mode](
         a.url, a.n, sync, a.device, a.seed)
     torch.save(result, a.out)
