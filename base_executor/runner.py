@@ -13,7 +13,7 @@ log = logging.getLogger("base_executor")
 
 
 def run(unit: Unit, op: int, x: torch.Tensor, exact: bool = False, out: torch.Tensor | None = None,
-        span_deltas: list | None = None) -> torch.Tensor:
+        span_deltas=None) -> torch.Tensor:
     """x: [tokens, d_in] (BACKWARD: grad_y [tokens, d_out]; MLP BACKWARD: [x, grad_y] side by
     side, [tokens, 2 * hidden]; embedding: ids [tokens]).
     out: None, or [tokens, d_out] where the result is written (a tenant's output mailbox: no copy

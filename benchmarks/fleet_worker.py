@@ -207,7 +207,7 @@ def prepare(a):
     elif a.s9_adapter >= 0 and a.shared:
         del model  # the provider's adapter: the executor computes it
         model = conn.model(device=torch.device(a.device), attn_implementation="sdpa", adapter=f"s9-{a.s9_adapter}",
-                           lm_loss=a.lm_loss)
+                           lm_loss=a.lm_loss, step_graphs=_step_graphs(a))
     elif a.s9_adapter >= 0:
         import s9_adapters
 

@@ -59,6 +59,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tenant-flags", default="", help='fleet_worker flags every symbiont tenant (hosted and private) gets, '
+                   'e.g. --tenant-flags="--step-graphs --compiled-steps" (with =: the value starts with --; the processes run as users run them)')
     p.add_argument("--out", default=str(fleet.REPO / "benchmarks" / "out"))
     p.add_argument("--tag", default=time.strftime("%Y-%m-%d"))
     a = p.parse_args()
@@ -106,7 +108,8 @@ def main() -> int:
                             per = a.tenants_per_process
                             res, base, peak = fleet.run_fleet(
                                 [["--mode", "symbiont", "--role", "infer", "--url", url, "--index", str(i), *extra, *common,
-                                  "--tenants", str(len(picks[i:i + per])), "--s9-adapters", ",".join(map(str, picks[i:i + per]))]
+                                  "--tenants", str(len(picks[i:i + per])), "--s9-adapters", ",".join(map(str, picks[i:i + per])),
+                                  *a.tenant_flags.split()]
                                  for i in range(0, n, per)], a.seconds)
                             after = fleet.executor_stats(url)
                             d = {key: int(after.get(key, 0)) - int(before.get(key, 0))
@@ -121,7 +124,8 @@ def main() -> int:
                                  "batches": fleet.batch_share(before, after)})
             finally:
                 fleet.stop(proc)
-    print(f"\nS9 {a.model}, adapters on {a.targets}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows")
+    print(f"\nS9 {a.model}, adapters on {a.targets}, prompt {a.prompt}, {a.new_tokens} new tokens, batch 1 per tenant, {a.seconds:.0f} s windows"
+          + (f", tenants with {a.tenant_flags}" if a.tenant_flags else ""))
     print(f"{'M':>5} {'N':>3} {'who':<44} {'tokens/s':>9} {'ITL p50':>8} {'p99':>7} {'GPU GB':>7} {'hit rate':>8} "
           f"{'switches':>8} {'merged tokens':>13}")
     for r in rows:

@@ -90,3 +90,33 @@ def enable_checkpointing(model, reentrant: bool) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if reentrant:
         model.enable_input_require_grads()
+
+
+def check_gang_lora(device: torch.device, dtype: torch.dtype) -> None:
+    """kernels/gang_lora.py against adapters.Delta.add_to: slots of two rows with adapters of ranks
+    8, 0, 37 (several rank blocks and programs) and 16 in `dtype`, the third slot sitting out (its
+    adapter in the table, not read), rows of a strided x, the result written into columns of a
+    wider y: each taking-part slot's rows get Delta.add_to's term within float rounding (the sums in
+    another order: a rounding of the adapter's dtype), every other element of y as it was."""
+    from symbiont.base_executor.adapters import Delta
+    from symbiont.base_executor.kernels import gang_lora
+    from symbiont.proto import executor_pb2 as pb
+
+    g = torch.Generator().manual_seed(0)
+    slots, rows, k, n = 4, 2, 96, 200
+    deltas = [Delta((0.2 * torch.randn(r, k, generator=g)).to(device, dtype), (0.2 * torch.randn(n, r, generator=g)).to(device, dtype), s)
+              for r, s in [(8, 0.5), (0, 1.0), (37, -2.0), (16, 1.5)]]
+    x = torch.randn(slots * rows, k + 10, generator=g).to(device, dtype)[:, 5:5 + k]
+    y = torch.randn(slots * rows, n + 30, generator=g).to(device, dtype)
+    table = torch.tensor([[0] * 3 + gang_lora.entry(d.a, d.b, d.scale) for d in deltas], dtype=torch.int64, device=device)
+    seqs = torch.tensor([1, 1, 0, 3], dtype=torch.int32, device=device)
+    want = y.clone()
+    for s, d in enumerate(deltas):
+        if seqs[s] and d.a.shape[0]:
+            d.add_to(pb.FORWARD, x[s * rows:(s + 1) * rows], want[s * rows:(s + 1) * rows, 7:7 + n])
+    got = y.clone()
+    gang_lora.add(x, got, 7, n, table, 3, seqs, rows, torch.zeros(slots * rows, 1024, device=device), dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert not torch.allclose(got[6:], y[6:]), "slot 3's adapter was not added"
+    assert torch.equal(got[2:6], y[2:6]) and torch.equal(got[:, :7], y[:, :7]) and torch.equal(got[:, 7 + n:], y[:, 7 + n:])

@@ -986,6 +986,15 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
             torch.testing.assert_close(together[seed][f"scores:{i}"], solo[seed][f"scores:{i}"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gang_lora_kernel_adds_each_slots_adapter_on_its_rows(dtype):
+    """kernels/gang_lora.py on the GPU, adapters in float32 and bfloat16 (Triton's interpreter on the
+    CPU rounds to bfloat16 otherwise): tests/models.py check_gang_lora."""
+    from tests.models import check_gang_lora
+
+    check_gang_lora(torch.device("cuda:0"), dtype)
+
+
 def test_hosted_adapters_of_four_tenants_run_in_gangs(tmp_path):
     """Four same-GPU tenant processes decode with step graphs, each naming its own hosted adapter
     (q, k, v, o; ranks 8 to 64): their programs share a gang, each slot's adapter computed in the

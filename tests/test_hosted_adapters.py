@@ -642,7 +642,7 @@ def test_a_gang_rounds_hosted_adapters_are_each_slots_own():
         parts = [adapter_parts(c) for c in calls]
         assert [p[:5] for p in parts[0]] == [p[:5] for p in parts[1]] and parts[0], "the two adapters' deltas sit alike"
         entries = [[v for p in ps for v in gang_lora.entry(p[5].a, p[5].b, p[5].scale)] for ps in parts]
-        ad_table = torch.tensor([entries[0], [0] * len(entries[0]), entries[1]], dtype=torch.int64)  # (slot 1: none)
+        ad_table = torch.tensor([entries[0], entries[1], entries[1]], dtype=torch.int64)  # (slot 1's is not read: it sits out)
         hooks = _SlotDeltas([p[:5] for p in parts[0]], 0, ad_table, seqs, rows, torch.zeros(3 * rows, 1024))
         row_deltas = [(0, rows, deltas[0]), (2 * rows, 3 * rows, deltas[1])]
         if unit is span:
@@ -670,31 +670,19 @@ def test_a_gang_rounds_hosted_adapters_are_each_slots_own():
     for c in (private, hosted):
         c.out = torch.zeros(rows, span.out_features)
     assert gang_key([private]) != gang_key([hosted]) and None not in (gang_key([private]), gang_key([hosted]))
+    keys = set()
+    for targets in (("q_proj", "v_proj", "o_proj"), ("q_proj", "v_proj"), ("o_proj",), ("k_proj", "o_proj")):
+        other = _host_on(core, 1, "-".join(targets), seed=4, rank=5, targets=targets)
+        hosted.adapter = core.adapters.delta(1, other.id, span)
+        keys.add(gang_key([hosted]))
+    assert len(keys) == 4 and gang_key([hosted]) is not None, "adapters of other modules share a gang's key"
     hosted.op = pb.BACKWARD
     assert adapter_parts(hosted) is None and gang_key([hosted]) is None
 
 
 def test_a_gang_lora_kernel_adds_each_slots_adapter_on_its_rows():
-    """kernels/gang_lora.py in Triton's interpreter: slots of rows with adapters of ranks 0, 8, 37
-    (several rank blocks) and 16, one slot sitting out, rows of a strided x, the result written into
-    columns of a wider y: each taking-part slot's rows get Delta.add_to's term within float32
-    rounding, every other element of y is left as it was."""
-    from symbiont.base_executor.adapters import Delta
-    from symbiont.base_executor.kernels import gang_lora
+    """kernels/gang_lora.py in Triton's interpreter (float32; tests/test_gpu.py: bfloat16 too): each
+    taking-part slot's rows get Delta.add_to's term, everything else in y is left (check_gang_lora)."""
+    from tests.models import check_gang_lora
 
-    g = torch.Generator().manual_seed(0)
-    slots, rows, k, n = 4, 2, 96, 200
-    deltas = [Delta(torch.randn(r, k, generator=g), torch.randn(n, r, generator=g), s)
-              for r, s in [(8, 0.5), (0, 1.0), (37, -2.0), (16, 1.5)]]
-    x = torch.randn(slots * rows, k + 10, generator=g)[:, 5:5 + k]
-    y = torch.randn(slots * rows, n + 30, generator=g)
-    table = torch.tensor([[0] * 3 + gang_lora.entry(d.a, d.b, d.scale) for d in deltas], dtype=torch.int64)
-    seqs = torch.tensor([1, 1, 0, 3], dtype=torch.int32)
-    want = y.clone()
-    for s, d in enumerate(deltas):
-        if seqs[s] and d.a.shape[0]:
-            d.add_to(pb.FORWARD, x[s * rows:(s + 1) * rows], want[s * rows:(s + 1) * rows, 7:7 + n])
-    got = y.clone()
-    gang_lora.add(x, got, 7, n, table, 3, seqs, rows, torch.zeros(slots * rows, 1024), torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[2:6], y[2:6]) and torch.equal(got[:, :7], y[:, :7]) and torch.equal(got[:, 7 + n:], y[:, 7 + n:])
+    check_gang_lora(torch.device("cpu"), torch.float32)

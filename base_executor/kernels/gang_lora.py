@@ -7,7 +7,8 @@ adapter table (int64: per part, A's address, B's address, the rank, the scale's 
 rank 0: no adapter), written when the slot is given, like the words' table. Row i of a batch is
 slot i // rows's (each slot brings `rows` rows).
 
-- `shrink`: t[i, :rank] = x[i] A^T, accumulated in float32, rounded to the adapter's dtype.
+- `shrink`: t[i, :rank] = x[i] A^T, accumulated in float32, rounded to the adapter's dtype (a
+  row's ranks over SPLIT_R programs: a rank-128 A of a 4096-wide unit is 1 MiB in float32).
 - `expand`: y[i, cols] = y[i, cols] + scale * (t[i] B^T), where each step rounds as
   adapters.Delta.add_to's torch ops round it (the product t B^T and its scaling to the adapter's
   dtype, the sum to y's), without fused multiply-adds.
@@ -26,6 +27,7 @@ FIELDS = 4  # a part's columns in the adapter table: A, B, rank, scale bits
 BLOCK_R = 16
 BLOCK_K = 128
 BLOCK_N = 128
+SPLIT_R = 4  # programs a row's shrink is split over, each every SPLIT_R-th block of BLOCK_R ranks
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -43,14 +45,14 @@ def _part(table, width, col, slot, seqs):
 
 @triton.jit
 def _shrink_kernel(x, x_stride, k_width, table, width, col, seqs, rows, t, t_stride,
-                   ADT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   ADT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     slot = i // rows
     a_at, _, rank, _ = _part(table, width, col, slot, seqs)
     a = a_at.to(tl.pointer_type(ADT))
     r = tl.arange(0, BLOCK_R)
     k = tl.arange(0, BLOCK_K)
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(tl.program_id(1) * BLOCK_R, rank, SPLIT * BLOCK_R):
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         rs = r0 + r
         for k0 in range(0, k_width, BLOCK_K):
@@ -92,8 +94,8 @@ def add(x: torch.Tensor, y: torch.Tensor, y_at: int, n_width: int, table: torch.
     adt = _TRITON_DTYPES[dtype]
     grid_rows = x.shape[0]
     kw = dict(enable_fp_fusion=False)  # (each product and sum rounds on its own, as torch's ops)
-    _shrink_kernel[(grid_rows,)](x, x.stride(0), x.shape[1], table, table.shape[1], col, seqs, rows, t, t.stride(0),
-                                 ADT=adt, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, **kw)
+    _shrink_kernel[(grid_rows, SPLIT_R)](x, x.stride(0), x.shape[1], table, table.shape[1], col, seqs, rows, t,
+                                         t.stride(0), ADT=adt, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, SPLIT=SPLIT_R, **kw)
     _expand_kernel[(grid_rows, triton.cdiv(n_width, BLOCK_N))](t, t.stride(0), y, y.stride(0), y_at, n_width, table,
                                                                 table.shape[1], col, seqs, rows, ADT=adt,
                                                                 BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, **kw)

@@ -27,6 +27,8 @@ results are within the batching tolerance of its lone ones (README), its greedy 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from symbiont.base_executor import runner
@@ -154,7 +156,9 @@ class Gang:
 
     def __init__(self, key: tuple, calls: list, slots: int, streams: list, setup: torch.cuda.Stream, device: torch.device):
         self.key = key
-        self.calls = calls  # a member's calls: the units and shapes the graphs are captured for
+        # a member's calls, the units and shapes the graphs are captured for (without their adapters:
+        # a slot's adapter tensors are kept only while its rounds may read them)
+        self.calls = [dataclasses.replace(c, adapter=None) for c in calls]
         self.slots = slots
         self.setup = setup
         self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
@@ -187,9 +191,14 @@ class Gang:
         """The tenants with a program in the gang (a tenant may have several: prompts of other lengths)."""
         return {p.tenant.id for p in self.members.values()}
 
+    def _let_go(self) -> None:
+        """Lets the adapter tensors of members gone go once the rounds that may read them are done."""
+        if self._dropped:
+            self._dropped = [(events, kept) for events, kept in self._dropped if not all(e.query() for e in events)]
+
     def free_slot(self) -> int | None:
         """A slot no member holds and no round queued still reads."""
-        self._dropped = [(events, kept) for events, kept in self._dropped if not all(e.query() for e in events)]
+        self._let_go()
         for s in range(self.slots):
             if s not in self.members:
                 self._slot_rounds[s] = [e for e in self._slot_rounds[s] if not e.query()]
@@ -321,6 +330,7 @@ class Gang:
         finally:
             torch.cuda.set_stream(before)
         lane.done = lane.on.done = done
+        self._let_go()
         for slot in seqs:
             self._slot_rounds[slot] = [e for e in self._slot_rounds[slot] if not e.query()] + [done]
         self._flying = [(e, ids) for e, ids in self._flying if not e.query()] + [(done, tenants)]

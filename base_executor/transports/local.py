@@ -219,7 +219,8 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                     self._reclaim(t, "executor shutting down", release=True)
                 for r in list(self.remote.values()):
                     self.detach_remote(r, "executor shutting down")
-            self._release_retired()
+            self._release_retired()  # (every gang lane's stream has passed its rounds)
+            self._gangs, self._gangs_retired = [], []  # (their graphs and adapters' tensors, while the CUDA context lives)
             self.areas.close()
             self.core.adapters.clear()
             self.core.scheduler.drop(lambda c: True)
