@@ -234,6 +234,10 @@ def prepare(a):
         model.eval()
     if a.step_graphs and a.gemm_linears:
         _steps_of(model).small_linears = False
+    if a.fused_handover:  # (client/transports/graph_words.py: two kernels a call, not GPU-run before session 51)
+        from symbiont.client.transports import graph_words
+
+        graph_words.FUSED_HANDOVER = True
     return model, conn, names
 
 
@@ -362,6 +366,8 @@ def main() -> int:
                    "replayed as CUDA graphs with their calls as step programs (a static cache; client/step_graphs.py)")
     p.add_argument("--compiled-steps", action="store_true", help="with --step-graphs: the steps captured from the "
                    "forward compiled by torch.compile (step_graphs='compiled')")
+    p.add_argument("--fused-handover", action="store_true", help="with --step-graphs: each call of a step hands "
+                   "over with two kernels (graph_words.FUSED_HANDOVER) instead of four")
     p.add_argument("--gemm-linears", action="store_true", help="with --compiled-steps: the tenant's LoRA linears stay "
                    "cuBLAS GEMMs (StepGraphs.small_linears = False) instead of reductions inductor fuses")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")

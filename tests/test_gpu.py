@@ -1167,8 +1167,9 @@ def test_same_gpu_tenant_trains_after_inference_mode():
         assert_backward_matches(ref, virt, x, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype, graphs", [("float32", True), ("bfloat16", True), ("float32", "compiled")])
-def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs):
+@pytest.mark.parametrize("dtype, graphs", [("float32", True), ("bfloat16", True), ("float32", "compiled"),
+                                          ("bfloat16", "handover")])
+def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs, monkeypatch):
     """A same-GPU tenant whose decoding steps replay as CUDA graphs with their calls as step
     programs (virtualize(step_graphs=True)) gives bitwise the greedy tokens and scores of the same
     tenant decoding eagerly, over three generate calls of two prompts (later calls' caches adopt the
@@ -1176,9 +1177,14 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs):
     tokens are the unsplit model's. Its steps replay, and the executor runs them as programs,
     natively after the first. step_graphs="compiled" (the steps captured from the forward compiled
     by torch.compile): the same tokens, the scores within float32 rounding (inductor's fused
-    kernels round otherwise), no capture failing."""
+    kernels round otherwise), no capture failing. "handover": step graphs whose calls hand over with
+    two kernels each (graph_words.FUSED_HANDOVER: put and take, their system-scope fences), bitwise."""
     from symbiont import connect
+    from symbiont.client.transports import graph_words
 
+    if graphs == "handover":
+        monkeypatch.setattr(graph_words, "FUSED_HANDOVER", True)
+        graphs = True
     torch.backends.cuda.matmul.allow_tf32 = False
     torch_dtype = getattr(torch, dtype)
     with running_executor("tiny-llama", "--device", "cuda:0", "--dtype", dtype) as ex:

@@ -151,6 +151,27 @@ def test_a_compiled_step_traces_its_lora_as_reductions_in_one_graph(executor):
         assert (graphs[0] == 0) == (mode is _SmallLinears), graphs
 
 
+def test_fused_handovers_copy_and_write_their_words():
+    """client/transports/graph_words.py's put and take in Triton's interpreter (no PTX: their
+    fences run on a GPU only; tests/test_gpu.py decodes with them): put copies a call's input, odd
+    word counts and more than one block of them, and writes its number to the word; take waits for
+    its number, then copies the result; words() picks what they may copy."""
+    from symbiont.client.transports import graph_words
+
+    page = torch.zeros(8, dtype=torch.int32)
+    for n in (1, 5, 1024, 2500):
+        src, dst = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+        graph_words.put(page, 3, n, dst, src)
+        assert torch.equal(dst, src) and page[3] == n and page.count_nonzero() == 1
+        back = torch.zeros(n, dtype=torch.int32)
+        graph_words.take(page, 3, n, back, dst)
+        assert torch.equal(back, src)
+    half = torch.randn(6, 10).to(torch.bfloat16)
+    assert torch.equal(graph_words.words(half).view(torch.bfloat16).view(6, 10), half)
+    assert graph_words.words(half[:, :5]) is None and graph_words.words(torch.zeros(3, dtype=torch.bfloat16)) is None
+    assert graph_words.words(torch.zeros(graph_words.MAX_FUSED_BYTES // 4 + 1, dtype=torch.int32)) is None
+
+
 def test_step_graphs_takes_only_its_three_values(executor):
     with pytest.raises(ValueError, match="step_graphs must be False, True or 'compiled'"):
         virtualize(build_builtin("tiny-llama"), executor.url, step_graphs="yes")

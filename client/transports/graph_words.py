@@ -7,6 +7,14 @@ by one-thread kernels instead: `write` stores the value; `wait` spins on a volat
 word reaches the value (an int32 `>=`: program words count 1, 2, ... from 0 and are released with
 0x7FFFFFFF). The mailbox's words page is page-locked host memory mapped for our GPU; `page` is an
 int32 CUDA tensor over that mapping. Triton is imported at the first use.
+
+Fused handovers (`FUSED_HANDOVER`, off by default until GPU-run): a call's four graph nodes (the
+copy of its input into the mailbox, the word write, the wait, the copy of its result out) become
+two kernels of one program each. `put` copies the input, then (every thread's stores before it:
+a barrier, then one thread's system-scope release store, as CUTLASS's semaphores release) writes
+the word; `take` spins on the word, then (each thread's acquire fence after its relaxed loads)
+copies the result out. On a GPU the fences are inline PTX; Triton's CPU interpreter, which runs
+no PTX, copies and writes without them (its kernels run one after another anyway).
 """
 from __future__ import annotations
 
@@ -31,14 +39,88 @@ def _kernels():
         while word < value:
             word = tl.load(page + index, volatile=True)
 
-    return write, wait
+    # (no specialisation on the addresses' alignment or the sizes: the kernels warm() compiles serve every call)
+    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n"],
+                do_not_specialize_on_alignment=["page", "dst", "src"])
+    def put(page, index, value, dst, src, n, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        for at in range(0, n, BLOCK):
+            m = at + i < n
+            tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
+        tl.debug_barrier()  # (every thread's copy, then one thread's release of the word)
+        if ASM:
+            word = page + index + tl.zeros([THREADS], dtype=tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
+                "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [word, value + tl.zeros([THREADS], dtype=tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.store(page + index, value)
+
+    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n"],
+                do_not_specialize_on_alignment=["page", "dst", "src"])
+    def take(page, index, value, dst, src, n, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr):
+        word = tl.load(page + index, volatile=True)
+        while word < value:
+            word = tl.load(page + index, volatile=True)
+        if ASM:  # (a relaxed load that saw the value, then a fence: each thread's acquire)
+            tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.zeros([THREADS], dtype=tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        i = tl.arange(0, BLOCK)
+        for at in range(0, n, BLOCK):
+            m = at + i < n
+            tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
+
+    return write, wait, put, take
+
+
+FUSED_HANDOVER = False
+"""Whether a step program's calls hand over with `put` and `take` (two kernels a call) instead of
+a copy, a write, a wait and a copy (client/transports/local_programs.py). Off until it has run on
+a GPU (its fences are not checked anywhere else)."""
+MAX_FUSED_BYTES = 1 << 18  # a call's input or result that one program copies, at most (larger: the four nodes)
+_WARPS = 4
+_BLOCK = 1024  # int32 words a program copies at a time
+
+
+def _asm() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
 
 
 def warm(page: torch.Tensor, index: int) -> None:
-    """Compiles and loads both kernels outside a capture (which may not load a module): writes 0
-    to page[index] and waits for it, on the current stream."""
+    """Compiles and loads the kernels outside a capture (which may not load a module): writes 0
+    to page[index] and waits for it, on the current stream (with FUSED_HANDOVER: through put and
+    take too, copying one word of the page onto itself)."""
     write(page, index, 0)
     wait(page, index, 0)
+    if FUSED_HANDOVER:
+        one = page[index:index + 1]
+        put(page, index, 0, one, one)
+        take(page, index, 0, one, one)
+
+
+def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value,
+    released to the system (the executor's GPU wait sees the word only after the data)."""
+    kernel = _kernels()[2]
+    kernel[(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=_asm(), num_warps=_WARPS)
+
+
+def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queues on the current stream: a wait until page[index] >= value, then dst = src (int32 words)."""
+    kernel = _kernels()[3]
+    kernel[(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=_asm(), num_warps=_WARPS)
+
+
+def words(t: torch.Tensor) -> torch.Tensor | None:
+    """t's bytes as int32 words, or None where put and take do not copy it (not contiguous, not of
+    whole aligned words, or over MAX_FUSED_BYTES)."""
+    nbytes = t.numel() * t.element_size()
+    if not t.is_contiguous() or nbytes % 4 or t.data_ptr() % 4 or nbytes > MAX_FUSED_BYTES:
+        return None
+    return t.view(-1).view(torch.uint8).view(torch.int32)
 
 
 def write(page: torch.Tensor, index: int, value: int) -> None:
