@@ -120,9 +120,11 @@ def finetune(a, model, deadline_of, tick=lambda units: None) -> dict:
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(a.device) for _ in range(4)]
 
+    forward = torch.compile(model, mode=a.compile_train) if a.compile_train else model  # (traced at the warm-up steps)
+
     def step(i):
         x = batches[i % len(batches)]
-        model(input_ids=x, labels=x).loss.backward()
+        forward(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -331,6 +333,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--adapters", type=int, default=1, help="infer-mixed: how many adapters (rows) one process serves")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile-train", default="", choices=["", "default", "max-autotune-no-cudagraphs"],
+                   help="finetune: the model's forward (and so its backward) compiled by torch.compile in this mode")
     p.add_argument("--compile", default="", choices=["", "default", "reduce-overhead"],
                    help="infer: a static KV cache and generate's forward compiled in this torch.compile mode (none: eager)")
     p.add_argument("--seconds", type=float, default=20.0)

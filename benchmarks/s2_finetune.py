@@ -32,6 +32,8 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="more flags for base-executor serve")
     p.add_argument("--tenant-flags", default="", help='tenant fleets to compare on each executor, "NAME=WORKER FLAGS;..." '
                    '(fleet_worker.py, e.g. "fused=;chunked=--lm-loss chunked")')
+    p.add_argument("--process-flags", default="", help='process fleets to run beside one another, "NAME=WORKER FLAGS;..." '
+                   '(fleet_worker.py, e.g. "eager=;compiled=--compile-train default"); default: one fleet, "processes"')
     p.add_argument("--rounds", type=int, default=1, help="with --tenant-flags: run them this many times, every other "
                    "round in reverse order")
     p.add_argument("--seconds", type=float, default=20.0)
@@ -62,13 +64,15 @@ def main() -> int:
               "--warmup", str(a.warmup), "--cuda-waits", a.cuda_waits]
     rows = []
     print(f"MPS {'on' if fleet.mps_running() else 'OFF'}", flush=True)
-    for k in ks:
+    for k, (pvariant, pextra) in ((k, v) for k in ks for v in fleet.tenant_variants(a.process_flags)):
         if k <= a.max_processes:
-            res, base, peak = fleet.run_fleet([["--mode", "plain", "--index", str(i), *common] for i in range(k)], a.seconds)
-            rows.append({"k": k, "who": "processes", **fleet.finetune_figures(res), "gpu_used": peak - base})
+            pwho = "processes" + (f", {pvariant}" if pvariant else "")
+            pworkers = [["--mode", "plain", "--index", str(i), *common, *pextra] for i in range(k)]
+            res, base, peak = fleet.run_fleet(pworkers, a.seconds)
+            rows.append({"k": k, "who": pwho, **fleet.finetune_figures(res), "gpu_used": peak - base})
             print(json.dumps(rows[-1]), flush=True)
             if k in profile_ks:
-                profiled([["--mode", "plain", "--index", str(i), *common] for i in range(k)], "processes", k)
+                profiled(pworkers, pwho, k)
     for policy, flags in fleet.executor_variants(a):
         ex_profile = out / f"s2_{a.model}_{a.tag}_{policy}_executor.profile.json" if profile_ks else None
         proc, url = fleet.start_executor(a.model, a.device, *flags, log_dir=out, profile_out=ex_profile)

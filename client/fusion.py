@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, _state, call_unit, records, trace_serial, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtLinear, _SHIMS, _state, call_unit, records, trace_serial, traced_call, tracing
 from symbiont.proto import executor_pb2 as pb
 
 WASTE_LIMIT = 3
@@ -103,7 +103,7 @@ class FusedGroup(UnitRef):
         kept = self._traced_kept
         if kept is not None and kept[0] == serial and kept[1] is x and member in kept[2]:
             return kept[2].pop(member)
-        ys = unit_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
+        ys = traced_call(x, self._shim_id, pb.FORWARD).split(self.sizes, dim=-1)
         self._traced_kept = (serial, x, {i: y.contiguous() for i, y in enumerate(ys) if i != member})
         return ys[member].contiguous()
 

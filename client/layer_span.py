@@ -33,7 +33,7 @@ import threading
 import torch
 from torch import nn
 
-from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, trace_serial, tracing, unit_call
+from symbiont.client.shim import HANDED, TRACED, UnitRef, VirtLayer, _state, handed, trace_serial, traced_call, tracing
 from symbiont.client.whole_mlp import VirtMLP, _global_hooks
 from symbiont.client.whole_mlp import _hooked as _any_hook
 from symbiont.proto import executor_pb2 as pb
@@ -161,7 +161,7 @@ class SpanUnit(UnitRef):
         if len(seen) != 1 or d.shape != r.shape or d.dtype != torch.float32:
             raise RuntimeError(f"{self.unit_id}: the attention did not end with one o_proj call; serve with --no-layer-spans")
         x, lead = self._input(seen[0], r, d)
-        y = unit_call(x, self._shim_id, pb.FORWARD)
+        y = traced_call(x, self._shim_id, pb.FORWARD)
         o, n2, m, *carry = [p.reshape(*lead, p.shape[-1]).contiguous() for p in y.split(self.pieces, dim=-1)]
         TRACED.gives[id(self.norms[0])] = (serial, None, n2)
         TRACED.gives[id(getattr(self.layer, layer_span.MLP))] = (serial, n2, m)

@@ -117,18 +117,26 @@ if not _NOT_IN_CUDA_GRAPHS:
 
 
 @torch.library.custom_op("symbiont::unit_call", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
-def unit_call(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
-    return _SHIMS[shim]._remote(x, op)
+def unit_call(x: torch.Tensor, shim: int, op: int, training: bool = False) -> torch.Tensor:
+    """`training`: the call belongs to a training pass (traced_call: as the trace saw it; a compiled
+    forward runs with grad off and inputs that require none, so the call could not tell)."""
+    return _SHIMS[shim]._remote(x, op, training=training)
+
+
+def traced_call(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
+    """unit_call as a traced model calls it: a call traced with grad on (or on an input that
+    requires grad) is a training call, as _remote counts an eager one."""
+    return unit_call(x, shim, op, torch.is_grad_enabled() or x.requires_grad)
 
 
 @unit_call.register_fake
-def _(x, shim, op):
+def _(x, shim, op, training=False):
     s = _SHIMS[shim]
     return x.new_empty(s._out_shape(x.shape, op), dtype=s._out_dtype())
 
 
 def _setup_context(ctx, inputs, output):
-    x, ctx.shim, ctx.op = inputs
+    x, ctx.shim, ctx.op = inputs[:3]
     if _SHIMS[ctx.shim]._kind == "mlp" and ctx.op != pb.BACKWARD:  # its backward sends the input again
         ctx.save_for_backward(x)  # (client/whole_mlp.py; a BACKWARD call's own backward raises instead)
 
@@ -142,7 +150,7 @@ def _backward(ctx, grad):
             raise RuntimeError("a whole-MLP call cannot differentiate twice: its backward is the executor's recompute")
         (x,) = ctx.saved_tensors
         grad = torch.cat([x, grad], dim=-1)
-    return unit_call(grad, ctx.shim, pb.BACKWARD), None, None
+    return unit_call(grad, ctx.shim, pb.BACKWARD, True), None, None, None
 
 
 unit_call.register_autograd(_backward, setup_context=_setup_context)
@@ -200,7 +208,7 @@ def call_unit(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
     """`op` of shim's unit on x: the custom op while tracing, its cheaper eager twin otherwise,
     or, when autograd has nothing to record (inference), the call itself."""
     if tracing():
-        return unit_call(x, shim, op)
+        return traced_call(x, shim, op)
     if records(x):
         return _UnitCall.apply(x, shim, op)
     return _SHIMS[shim]._remote(x, op)
@@ -337,9 +345,11 @@ class UnitRef:
             return tuple(shape) + (self._d_out,)
         return tuple(shape[:-1]) + ((self._d_in,) if op == pb.BACKWARD else (self._d_out,))
 
-    def _remote(self, x: torch.Tensor, op: int, take=None):
-        # (inside an autograd.Function's forward grad mode is off, but x still requires grad)
-        latency = pb.TRAINING if torch.is_grad_enabled() or x.requires_grad or op == pb.BACKWARD else pb.INFERENCE
+    def _remote(self, x: torch.Tensor, op: int, take=None, training: bool = False):
+        # (inside an autograd.Function's forward grad mode is off, but x still requires grad; in a
+        # compiled forward neither: `training` says what the trace saw)
+        latency = (pb.TRAINING if training or torch.is_grad_enabled() or x.requires_grad or op == pb.BACKWARD
+                   else pb.INFERENCE)
         if op == pb.BACKWARD:  # (a fused group's too)
             confirm_when_backward_ends(self.transport)
         shape = self._out_shape(x.shape, op)

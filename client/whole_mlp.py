@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from symbiont.client.shim import UnitRef, VirtLayer, VirtOwnForward, _SHIMS, handed, records, tracing, unit_call
+from symbiont.client.shim import UnitRef, VirtLayer, VirtOwnForward, _SHIMS, handed, records, traced_call, tracing
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import gated_mlp
 
@@ -57,7 +57,7 @@ class MlpUnit(UnitRef):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tracing():  # the custom op, whose backward for an MLP unit sends [x, grad_y] too
-            return unit_call(x, self._shim_id, pb.FORWARD)
+            return traced_call(x, self._shim_id, pb.FORWARD)
         if records(x):
             return _MlpCall.apply(x, self._shim_id)
         return self._remote(x, pb.FORWARD)

@@ -172,6 +172,33 @@ def test_fused_handovers_copy_and_write_their_words():
     assert graph_words.words(torch.zeros(graph_words.MAX_FUSED_BYTES // 4 + 1, dtype=torch.int32)) is None
 
 
+def test_a_compiled_training_steps_calls_are_training_calls(executor):
+    """A compiled training step (torch.compile over a LoRA tenant: its forward runs with grad off and
+    inputs that require none) still makes training calls, forward and backward, as the trace saw
+    it (unit_call's `training`); a compiled forward under no_grad makes inference calls. The LoRA
+    gradients are the unsplit model's."""
+    from symbiont.proto import executor_pb2 as pb
+
+    ref, virt = lora_model("tiny-llama"), virtualize(lora_model("tiny-llama"), executor.url)
+    compiled = torch.compile(virt, backend="aot_eager")
+    x = ids(2, 9)
+
+    def calls() -> dict:
+        with connect(executor.url) as conn:
+            return {c.latency: c.calls for c in conn.stats().classes}
+
+    before = calls()
+    compiled(input_ids=x, labels=x).loss.backward()
+    ref(input_ids=x, labels=x).loss.backward()
+    after = calls()
+    assert after[pb.INFERENCE] == before[pb.INFERENCE] and after[pb.TRAINING] > before[pb.TRAINING], (before, after)
+    for (n, a), (_, b) in zip(lora_grads(ref).items(), lora_grads(virt).items()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+    with torch.no_grad():
+        compiled(input_ids=x)
+    assert calls()[pb.INFERENCE] > after[pb.INFERENCE]
+
+
 def test_step_graphs_takes_only_its_three_values(executor):
     with pytest.raises(ValueError, match="step_graphs must be False, True or 'compiled'"):
         virtualize(build_builtin("tiny-llama"), executor.url, step_graphs="yes")
