@@ -248,17 +248,19 @@ def finetune_figures(results: list[dict]) -> dict:
 
 
 def infer_figures(results: list[dict]) -> dict:
-    """Aggregate generated tokens/s and inter-token latency p50/p99 (the first token, which ends
-    the prefill, is left out of the latencies)."""
-    rates, gaps = [], []
+    """Aggregate generated tokens/s and inter-token latency p50/p99 over every tenant's tokens (the
+    first token, which ends the prefill, is left out of the latencies), and the worst tenant's own
+    p99 (S3's latency goal is each tenant's)."""
+    rates, gaps, worst = [], [], 0.0
     for r in results:
         runs = r["runs"]
         tokens = sum(len(run) - 1 for run in runs) * r["rows"]
         rates.append(tokens / (runs[-1][-1] - r["start"]))
-        for run in runs:
-            gaps += [b - a for a, b in zip(run[1:-1], run[2:])]
+        mine = [b - a for run in runs for a, b in zip(run[1:-1], run[2:])]
+        gaps += mine
+        worst = max(worst, pct(mine, 0.99) if mine else 0.0)
     out = {"tokens_per_s": sum(rates), "itl_p50_ms": 1e3 * pct(gaps, 0.5), "itl_p99_ms": 1e3 * pct(gaps, 0.99),
-           "runs": sum(len(r["runs"]) for r in results)}
+           "itl_p99_worst_ms": 1e3 * worst, "runs": sum(len(r["runs"]) for r in results)}
     graphed = [r["step_graphs"] for r in results if "step_graphs" in r]  # (fleet_worker --step-graphs)
     if graphed:
         out["step_graphs"] = {"captures": sum(g["captures"] for g in graphed), "replays": sum(g["replays"] for g in graphed),
