@@ -956,7 +956,7 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
                 torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
 
 
-@pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps")])
+@pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps"), ("fused-high", "steps")])
 def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
@@ -964,8 +964,10 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     alone (no gang: its programs then run on its own stream) and the unsplit model's, its scores to
     the rounding of GEMMs batched with the others'; with the rounds' spans computed with the
     tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused); and with the
-    tenants' steps compiled (step_graphs="compiled")."""
-    with running_executor("tiny-llama", "--device", "cuda:0", "--gang-spans", spans) as ex:
+    tenants' steps compiled (step_graphs="compiled"); and with the gangs' lanes at the highest stream
+    priority (serve --gang-priority)."""
+    flags = ("--gang-spans", "fused", "--gang-priority", "-5") if spans == "fused-high" else ("--gang-spans", spans)
+    with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
         solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode)
     paths = dict(stats.call_paths)
     ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)

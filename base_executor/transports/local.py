@@ -111,6 +111,10 @@ class LocalServerConfig:
     """Streams a gang's rounds run on (each its own graph of a round and cuBLAS workspace, warmed
     at start): rounds of tenants that did not come together run at once on different lanes; while
     every lane is busy, runs gather into the next round."""
+    gang_priority: int = 0
+    """The CUDA stream priority of the gangs' lanes (lower is higher: -1 and below ask the GPU to
+    schedule a round's kernels ahead of the tenants' queued ones; clamped to the device's range).
+    Every round is on the critical path of all its tenants. 0: the default priority."""
     gang_spans: str = "fused"
     """How a gang's round computes a layer span: "fused" with its elementwise work in two kernels
     (runner.span_fused: 7 a call; within float rounding, like every ganged result; S3 N = 16 at

@@ -276,7 +276,8 @@ class LocalPrograms:
         try:
             from symbiont.base_executor.kernels import gang_words
 
-            streams = [torch.cuda.Stream(self.core.device) for _ in range(self.config.gang_lanes)]
+            streams = [torch.cuda.Stream(self.core.device, priority=self.config.gang_priority)
+                       for _ in range(self.config.gang_lanes)]
             for stream in streams:
                 self.core.warm_up(stream)
                 with torch.cuda.stream(stream):

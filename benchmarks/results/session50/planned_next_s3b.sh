@@ -3,8 +3,10 @@
 # (--compile default: the fair baseline for compiled tenants); the compiled-step tenants with four graph nodes a
 # handover and with two (--fused-handover, if planned_next.sh's handover test passed). Then planned_next_s3c.sh.
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt; nproc >> $OUT/gpu.txt
+timeout -s INT 170 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 160 -rfE --tb=short -s \
+  -k "fused-high" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt  # (the gang test, lanes at the highest priority)
 d=/tmp/r/g; mkdir -p $d
-cd benchmarks && timeout -s INT 585 python3 s3_inference.py --model llama-1b --ns 16 --max-processes 16 --mixed none --seconds 8 --out $d \
+cd benchmarks && timeout -s INT 410 python3 s3_inference.py --model llama-1b --ns 16 --max-processes 16 --mixed none --seconds 8 --out $d \
   --tag s51w --process-flags "eager=;compiled=--compile default" \
   --tenant-flags "cgraphs=--step-graphs --compiled-steps;handover=--step-graphs --compiled-steps --fused-handover" > $d/s3.log 2>&1
 echo rc=$? >> $d/s3.log; cd ..
