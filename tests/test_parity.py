@@ -159,7 +159,7 @@ def test_fused_handovers_copy_and_write_their_words():
     from symbiont.client.transports import graph_words
 
     page = torch.zeros(8, dtype=torch.int32)
-    for n in (1, 5, 1024, 2500):
+    for n in (1, 5, 4096, 9000):
         src, dst = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
         graph_words.put(page, 3, n, dst, src)
         assert torch.equal(dst, src) and page[3] == n and page.count_nonzero() == 1

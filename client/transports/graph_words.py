@@ -71,22 +71,22 @@ def _kernels():
             m = at + i < n
             tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
 
-    return write, wait, put, take
+    try:  # (Triton's CPU interpreter, chosen when the kernels were made, runs no PTX: put and take go without fences)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        asm = not isinstance(put, InterpretedFunction)
+    except ImportError:
+        asm = True
+    return write, wait, put, take, asm
 
 
 FUSED_HANDOVER = False
 """Whether a step program's calls hand over with `put` and `take` (two kernels a call) instead of
 a copy, a write, a wait and a copy (client/transports/local_programs.py). Off until it has run on
 a GPU (its fences are not checked anywhere else)."""
-MAX_FUSED_BYTES = 1 << 18  # a call's input or result that one program copies, at most (larger: the four nodes)
-_WARPS = 4
-_BLOCK = 1024  # int32 words a program copies at a time
-
-
-def _asm() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+MAX_FUSED_BYTES = 1 << 16  # a call's input or result that one program copies, at most (larger: the four nodes)
+_WARPS = 16
+_BLOCK = 4096  # int32 words a program copies at a time (one program: its release needs every thread's copy first)
 
 
 def warm(page: torch.Tensor, index: int) -> None:
@@ -104,14 +104,16 @@ def warm(page: torch.Tensor, index: int) -> None:
 def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value,
     released to the system (the executor's GPU wait sees the word only after the data)."""
-    kernel = _kernels()[2]
-    kernel[(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=_asm(), num_warps=_WARPS)
+    kernels = _kernels()
+    kernels[2][(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=kernels[4],
+                     num_warps=_WARPS)
 
 
 def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Queues on the current stream: a wait until page[index] >= value, then dst = src (int32 words)."""
-    kernel = _kernels()[3]
-    kernel[(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=_asm(), num_warps=_WARPS)
+    kernels = _kernels()
+    kernels[3][(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=kernels[4],
+                     num_warps=_WARPS)
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
