@@ -124,9 +124,15 @@ def unit_call(x: torch.Tensor, shim: int, op: int, training: bool = False) -> to
 
 
 def traced_call(x: torch.Tensor, shim: int, op: int) -> torch.Tensor:
-    """unit_call as a traced model calls it: a call traced with grad on (or on an input that
-    requires grad) is a training call, as _remote counts an eager one."""
-    return unit_call(x, shim, op, torch.is_grad_enabled() or x.requires_grad)
+    """unit_call as a traced model calls it: a call traced in training (`trains`) is a training
+    call, as _remote counts an eager one."""
+    return unit_call(x, shim, op, trains(x))
+
+
+def trains(x: torch.Tensor) -> bool:
+    """Whether a call on x belongs to a training pass: grad on, or x requires grad (inside an
+    autograd.Function's forward grad mode is off, but x still requires grad)."""
+    return torch.is_grad_enabled() or x.requires_grad
 
 
 @unit_call.register_fake
@@ -346,10 +352,8 @@ class UnitRef:
         return tuple(shape[:-1]) + ((self._d_in,) if op == pb.BACKWARD else (self._d_out,))
 
     def _remote(self, x: torch.Tensor, op: int, take=None, training: bool = False):
-        # (inside an autograd.Function's forward grad mode is off, but x still requires grad; in a
-        # compiled forward neither: `training` says what the trace saw)
-        latency = (pb.TRAINING if training or torch.is_grad_enabled() or x.requires_grad or op == pb.BACKWARD
-                   else pb.INFERENCE)
+        # (in a compiled forward grad is off and x requires none: `training` says what the trace saw)
+        latency = pb.TRAINING if training or trains(x) or op == pb.BACKWARD else pb.INFERENCE
         if op == pb.BACKWARD:  # (a fused group's too)
             confirm_when_backward_ends(self.transport)
         shape = self._out_shape(x.shape, op)

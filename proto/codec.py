@@ -47,6 +47,15 @@ def nbytes(shape, dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
+def int32_words(t: torch.Tensor, max_bytes: int | None = None) -> torch.Tensor | None:
+    """t's bytes as a 1-D int32 view (what word-copying kernels copy), or None where they are not
+    whole 4-byte-aligned words of a contiguous tensor, or are more than `max_bytes`."""
+    size = t.numel() * t.element_size()
+    if not t.is_contiguous() or size % 4 or t.data_ptr() % 4 or (max_bytes is not None and size > max_bytes):
+        return None
+    return t.view(-1).view(torch.uint8).view(torch.int32)
+
+
 def view(buffer, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
     """A tensor that aliases `buffer[offset : offset + nbytes]` (no copy). The caller checks bounds."""
     count = 1

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from symbiont.proto.codec import int32_words
+
 COPY_BLOCK = 1024  # int32 words per program of a row copy
 
 
@@ -87,15 +89,10 @@ def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, fro
     _kernels()[1][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq)
 
 
-def words_of(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes as int32 words (t contiguous, of a multiple of 4 bytes)."""
-    return t.view(-1).view(torch.uint8).view(torch.int32)
-
-
 def _copy_rows(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor, gather: bool) -> None:
     slots = seqs.shape[0]
     n = batch.numel() * batch.element_size() // 4 // slots
-    _kernels()[2][(slots, triton_cdiv(n))](table, table.shape[1], col, seqs, words_of(batch), n, BLOCK=COPY_BLOCK,
+    _kernels()[2][(slots, triton_cdiv(n))](table, table.shape[1], col, seqs, int32_words(batch), n, BLOCK=COPY_BLOCK,
                                           GATHER=gather)
 
 

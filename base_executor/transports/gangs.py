@@ -38,6 +38,7 @@ from symbiont.base_executor.graphs import capture
 from symbiont.base_executor.kernels import gang_words
 from symbiont.proto import executor_pb2 as pb
 from symbiont.proto import mailbox
+from symbiont.proto.codec import int32_words
 from symbiont.proto.cuda_ipc import stream_write
 
 IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
@@ -54,10 +55,8 @@ def gang_key(calls: list) -> tuple | None:
     for c in calls:
         if c.merge_epoch or c.out is None:
             return None
-        for t in (c.x, c.out):
-            nbytes = t.numel() * t.element_size()
-            if not t.is_contiguous() or nbytes % 4 or nbytes > MAX_ROW_BYTES or t.data_ptr() % 4:
-                return None
+        if int32_words(c.x, MAX_ROW_BYTES) is None or int32_words(c.out, MAX_ROW_BYTES) is None:
+            return None
         parts = adapter_parts(c)
         if parts is None:
             return None
@@ -77,7 +76,7 @@ def adapter_parts(call) -> list | None:
     if call.op not in (pb.FORWARD, pb.FORWARD_NO_BIAS) or call.x.dim() != 2:
         return None
     if isinstance(d, SpanDelta):
-        found = [("o", 0, d.o.b.shape[0], d.o.a.shape[1], d.o) for _ in (d.o,) if d.o is not None]
+        found = [("o", 0, d.o.b.shape[0], d.o.a.shape[1], d.o)] if d.o is not None else []
         found += [("qkv", a, b - a, delta.a.shape[1], delta) for a, b, delta in (d.qkv.parts if d.qkv else ())]
     elif isinstance(d, GroupDelta):
         found = [("y", a, b - a, delta.a.shape[1], delta) for a, b, delta in d.parts]
@@ -164,7 +163,7 @@ class Gang:
         self.members: dict[int, object] = {}  # slot -> its Program (program.gang_slot is the slot)
         from symbiont.base_executor.kernels import gang_lora  # (Triton, imported where gangs run)
 
-        self.parts = [[p[:5] for p in adapter_parts(c)] for c in calls]  # each call's hosted adapter deltas (the key's)
+        self.parts = [list(call_key[-1]) for call_key in key]  # each call's hosted adapter deltas (gang_key's last field)
         n_parts = sum(map(len, self.parts))
         with torch.cuda.stream(setup):
             self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)

@@ -117,12 +117,11 @@ def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: tor
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
-    """t's bytes as int32 words, or None where put and take do not copy it (not contiguous, not of
-    whole aligned words, or over MAX_FUSED_BYTES)."""
-    nbytes = t.numel() * t.element_size()
-    if not t.is_contiguous() or nbytes % 4 or t.data_ptr() % 4 or nbytes > MAX_FUSED_BYTES:
-        return None
-    return t.view(-1).view(torch.uint8).view(torch.int32)
+    """t's bytes as int32 words, or None where put and take do not copy it (codec.int32_words: not
+    contiguous, not of whole aligned words, or over MAX_FUSED_BYTES)."""
+    from symbiont.proto.codec import int32_words
+
+    return int32_words(t, MAX_FUSED_BYTES)
 
 
 def write(page: torch.Tensor, index: int, value: int) -> None:

@@ -178,11 +178,11 @@ class LocalPrograms:
         page = self._words_page()
         self._recording.append(plan.header)
         if graph_words.FUSED_HANDOVER and take is None:  # (two kernels: the input and the word, the wait and the result)
-            y = torch.empty_like(plan.out)
-            src, mail, out, dst = (graph_words.words(t) for t in (x, self._order.region.view(0, (plan.in_nbytes,), torch.uint8), plan.out, y))
-            if None not in (src, mail, out, dst):
+            src, mail, out = (graph_words.words(t) for t in (x, self._order.region.view(0, (plan.in_nbytes,), torch.uint8), plan.out))
+            if None not in (src, mail, out):
+                y = torch.empty_like(plan.out)  # (a fresh allocation: whole aligned words, as `out`)
                 graph_words.put(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k, mail, src)
-                graph_words.take(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k, dst, out)
+                graph_words.take(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k, graph_words.words(y), out)
                 return y
         copy_async(self._order.region.ptr, x.data_ptr(), plan.in_nbytes, stream, self._order.device)
         graph_words.write(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k)
