@@ -29,19 +29,22 @@ def gpu_work(events, spans: bool = False, origin_us: float = 0.0, cpu: bool = Fa
     """What a profiler's events say the GPU did: busy ms (the union of its kernels' and copies'
     intervals), how many there were, and the 30 names with the most time; with `spans`, also
     every interval as [start µs, end µs, name] from `origin_us` (trace_origin_us: for
-    gap_analysis across processes). `cpu`: count the CPU's ops instead (a smoke test on a machine
+    gap_analysis across processes), and under "streams" each one's CUDA stream, where the
+    profiler says. `cpu`: count the CPU's ops instead (a smoke test on a machine
     without CUDA; nested ops overlap)."""
     from torch.autograd import DeviceType
 
     found, by_name = [], collections.Counter()
     for e in events:
         if e.device_type == (DeviceType.CPU if cpu else DeviceType.CUDA):
-            found.append((e.time_range.start, e.time_range.end, e.name[:60]))
+            found.append((e.time_range.start, e.time_range.end, e.name[:60], getattr(e, "device_resource_id", None)))
             by_name[e.name[:80]] += e.time_range.elapsed_us()  # (cut before counting: names cut alike add up)
-    busy_ms = gap_analysis({"gpu": found})["union_busy_ms"]
+    busy_ms = gap_analysis({"gpu": [f[:3] for f in found]})["union_busy_ms"]
     work = {"busy_ms": busy_ms, "launches": len(found), "top_ms": {k: v / 1e3 for k, v in by_name.most_common(30)}}
-    if spans:
-        work["spans"] = sorted((origin_us + a, origin_us + b, name) for a, b, name in found)
+    if spans:  # (and each one's stream, in the same order: benchmarks/probes/round_anatomy.py)
+        found.sort(key=lambda f: f[:3])
+        work["spans"] = [(origin_us + a, origin_us + b, name) for a, b, name, _ in found]
+        work["streams"] = [stream for *_, stream in found]
     return work
 
 
