@@ -46,7 +46,7 @@ def tenant(name: str, part: dict, top: int) -> str:
              f"own kernels {sum(own) / units / 1e3:.2f} ms a token ({len(own) / units:.0f} launches), "
              f"handover waits {sum(waits) / units / 1e3:.2f} ms a token ({len(waits) / units:.1f})",
              f"  its handover waits: {band(waits)}",
-             f"  its kernels by launches a token (µs each, mean):"]
+             "  its kernels by launches a token (µs each, mean):"]
     for n, c in counts.most_common(top):
         lines.append(f"    {c / units:6.2f}  {us[n] / c:7.1f}  {n}")
     rest = sum(c for n, c in counts.items()) - sum(c for _, c in counts.most_common(top))
