@@ -96,27 +96,42 @@ def check_gang_lora(device: torch.device, dtype: torch.dtype) -> None:
     """kernels/gang_lora.py against adapters.Delta.add_to: slots of two rows with adapters of ranks
     8, 0, 37 (several rank blocks and programs) and 16 in `dtype`, the third slot sitting out (its
     adapter in the table, not read), rows of a strided x, the result written into columns of a
-    wider y: each taking-part slot's rows get Delta.add_to's term within float rounding (the sums in
-    another order: a rounding of the adapter's dtype), every other element of y as it was."""
-    from symbiont.base_executor.adapters import Delta
+    wider y; then four parts at once (more than one launch takes), of other widths and columns, one
+    slot without an adapter at one of them: each taking-part slot's rows get Delta.add_to's term
+    within float rounding (the sums in another order: a rounding of the adapter's dtype), every
+    other element of y as it was."""
+    from symbiont.base_executor.adapters import MAX_RANK, Delta
     from symbiont.base_executor.kernels import gang_lora
     from symbiont.proto import executor_pb2 as pb
 
     g = torch.Generator().manual_seed(0)
-    slots, rows, k, n = 4, 2, 96, 200
-    deltas = [Delta((0.2 * torch.randn(r, k, generator=g)).to(device, dtype), (0.2 * torch.randn(n, r, generator=g)).to(device, dtype), s)
-              for r, s in [(8, 0.5), (0, 1.0), (37, -2.0), (16, 1.5)]]
+    slots, rows, k = 4, 2, 96
+    ranks = [[(8, 0.5), (0, 1.0), (37, -2.0), (16, 1.5)], [(3, 1.0), (130, 0.25), (1, -1.0), (0, 1.0)],
+             [(21, 2.0), (5, 1.0), (64, 0.5), (9, -0.5)], [(2, 1.0), (2, 1.0), (40, 1.0), (7, 3.0)]]
+    places = [(7, 200), (230, 33), (263, 130), (400, 64)]  # (first column in y, width) of each part
+    deltas = [[Delta((0.2 * torch.randn(r, k, generator=g)).to(device, dtype),
+                     (0.2 * torch.randn(n, r, generator=g)).to(device, dtype), s) for r, s in part]
+              for part, (_, n) in zip(ranks, places)]
     x = torch.randn(slots * rows, k + 10, generator=g).to(device, dtype)[:, 5:5 + k]
-    y = torch.randn(slots * rows, n + 30, generator=g).to(device, dtype)
-    table = torch.tensor([[0] * 3 + gang_lora.entry(d.a, d.b, d.scale) for d in deltas], dtype=torch.int64, device=device)
+    y = torch.randn(slots * rows, 480, generator=g).to(device, dtype)
+    table = torch.tensor([[0] * 3 + [v for part in deltas for v in gang_lora.entry(part[s].a, part[s].b, part[s].scale)]
+                          for s in range(slots)], dtype=torch.int64, device=device)
     seqs = torch.tensor([1, 1, 0, 3], dtype=torch.int32, device=device)
-    want = y.clone()
-    for s, d in enumerate(deltas):
-        if seqs[s] and d.a.shape[0]:
-            d.add_to(pb.FORWARD, x[s * rows:(s + 1) * rows], want[s * rows:(s + 1) * rows, 7:7 + n])
-    got = y.clone()
-    gang_lora.add(x, got, 7, n, table, 3, seqs, rows, torch.zeros(slots * rows, 1024, device=device), dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
-    torch.testing.assert_close(got, want, **tol)
-    assert not torch.allclose(got[6:], y[6:]), "slot 3's adapter was not added"
-    assert torch.equal(got[2:6], y[2:6]) and torch.equal(got[:, :7], y[:, :7]) and torch.equal(got[:, 7 + n:], y[:, 7 + n:])
+    t = torch.zeros(slots * rows, gang_lora.MAX_PARTS * MAX_RANK, device=device)
+    for n_parts in (1, 4):
+        want = y.clone()
+        for part, (first, n) in zip(deltas[:n_parts], places):
+            for s, d in enumerate(part):
+                if seqs[s] and d.a.shape[0]:
+                    d.add_to(pb.FORWARD, x[s * rows:(s + 1) * rows], want[s * rows:(s + 1) * rows, first:first + n])
+        got = y.clone()
+        gang_lora.add(x, got, places[:n_parts], table, 3, seqs, rows, t, dtype)
+        torch.testing.assert_close(got, want, **tol)
+        assert not torch.allclose(got[6:], y[6:]), "slot 3's adapter was not added"
+        assert torch.equal(got[4:6], y[4:6]) and torch.equal(got[:, :7], y[:, :7]), "a slot sitting out got a delta"
+        if n_parts == 1:
+            assert torch.equal(got[2:4], y[2:4]) and torch.equal(got[:, 207:], y[:, 207:])
+        else:
+            assert torch.equal(got[:, 393:400], y[:, 393:400]) and torch.equal(got[:, 464:], y[:, 464:])
+            assert not torch.allclose(got[:, 400:464], y[:, 400:464]), "the fourth part (a second launch) was not added"

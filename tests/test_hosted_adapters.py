@@ -621,6 +621,7 @@ def test_a_gang_rounds_hosted_adapters_are_each_slots_own():
     rounding of the per-call deltas (core.RowSpanDeltas, adapters.Delta.add_to), and the rows of the
     slot sitting out are left as the unit computes them."""
     from symbiont.base_executor import runner
+    from symbiont.base_executor.adapters import MAX_RANK
     from symbiont.base_executor.core import RowSpanDeltas
     from symbiont.base_executor.kernels import gang_lora
     from symbiont.base_executor.transports.gangs import _SlotDeltas, adapter_parts, gang_key
@@ -643,7 +644,7 @@ def test_a_gang_rounds_hosted_adapters_are_each_slots_own():
         assert [p[:5] for p in parts[0]] == [p[:5] for p in parts[1]] and parts[0], "the two adapters' deltas sit alike"
         entries = [[v for p in ps for v in gang_lora.entry(p[5].a, p[5].b, p[5].scale)] for ps in parts]
         ad_table = torch.tensor([entries[0], entries[1], entries[1]], dtype=torch.int64)  # (slot 1's is not read: it sits out)
-        hooks = _SlotDeltas([p[:5] for p in parts[0]], 0, ad_table, seqs, rows, torch.zeros(3 * rows, 1024))
+        hooks = _SlotDeltas([p[:5] for p in parts[0]], 0, ad_table, seqs, rows, torch.zeros(3 * rows, gang_lora.MAX_PARTS * MAX_RANK))
         row_deltas = [(0, rows, deltas[0]), (2 * rows, 3 * rows, deltas[1])]
         if unit is span:
             x = span_batch(unit, 3 * rows, torch.float32)

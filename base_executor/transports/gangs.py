@@ -17,9 +17,9 @@ batch does.
 
 Hosted adapters: programs naming hosted adapters (tenants' own or the provider's, any ranks) whose
 deltas sit at the same places share gangs too (not with programs naming none, which pay no
-adapter kernels). A slot's adapter at each delta is in the gang's adapter table, and each delta
-of a call is two kernels over all the round's rows (kernels/gang_lora.py), each slot its own
-adapter. The gang keeps a slot's adapter tensors until every round that read them is done, so a
+adapter kernels). A slot's adapter at each delta is in the gang's adapter table, and the deltas
+of one place in a call (a span's q, k and v) are two kernels over all the round's rows
+(kernels/gang_lora.py), each slot its own adapter. The gang keeps a slot's adapter tensors until every round that read them is done, so a
 paged-out or removed adapter's memory is not reused under a queued round.
 
 The batch's GEMM is not bitwise the lone one (another kernel over more rows): a ganged tenant's
@@ -87,6 +87,8 @@ def adapter_parts(call) -> list | None:
     if any(not (p[4].a.is_contiguous() and p[4].b.is_contiguous()) or p[4].a.shape[0] > MAX_RANK
            or p[4].a.dtype not in ADAPTER_DTYPES or p[4].b.dtype != p[4].a.dtype for p in found):
         return None
+    if len({(p[0], p[4].a.dtype) for p in found}) != len({p[0] for p in found}):
+        return None  # (one place's deltas are one launch: of one dtype)
     return [(at, first, width, k, delta.a.dtype, delta) for at, first, width, k, delta in found]
 
 
@@ -99,15 +101,20 @@ class _SlotDeltas:
     def __init__(self, parts: list, col: int, adapters: torch.Tensor, seqs: torch.Tensor, rows: int, t: torch.Tensor):
         from symbiont.base_executor.kernels import gang_lora
 
-        self.parts = [(*p, col + i * gang_lora.FIELDS) for i, p in enumerate(parts)]
+        # per place, its parts' (first column, width), their table columns' start and dtype (a
+        # place's parts are one adapter's, next to one another in adapter_parts' order)
+        self.places = {}
+        for i, (at, first, width, _, dtype) in enumerate(parts):
+            places, _, _ = self.places.setdefault(at, ([], col + i * gang_lora.FIELDS, dtype))
+            places.append((first, width))
         self.adapters, self.seqs, self.rows, self.t = adapters, seqs, rows, t
 
     def add(self, at: str, x: torch.Tensor, y: torch.Tensor) -> None:
         from symbiont.base_executor.kernels import gang_lora
 
-        for where, first, width, _, dtype, col in self.parts:
-            if where == at:
-                gang_lora.add(x, y, first, width, self.adapters, col, self.seqs, self.rows, self.t, dtype)
+        if at in self.places:  # (all its parts in one shrink and one expand)
+            places, col, dtype = self.places[at]
+            gang_lora.add(x, y, places, self.adapters, col, self.seqs, self.rows, self.t, dtype)
 
     def o(self, a: torch.Tensor, base: torch.Tensor) -> None:
         self.add("o", a, base)
@@ -273,7 +280,7 @@ class Gang:
         hosted = [None] * n
         rows = [c.x.shape[0] for c, parts in zip(self.calls, self.parts) if parts]
         if rows:  # (one float32 scratch for every delta's x A^T: the round's deltas run one after another)
-            t = torch.empty((slots * max(rows), MAX_RANK), dtype=torch.float32, device=device)
+            t = torch.empty((slots * max(rows), gang_lora.MAX_PARTS * MAX_RANK), dtype=torch.float32, device=device)
             batches.append((t, None))
             col = 0
             for k, (c, parts) in enumerate(zip(self.calls, self.parts)):
