@@ -386,6 +386,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
                     elif not self._run_waiting(t, req, OWN):
                         t.held = (req, time.monotonic())
                     continue
+                self._away_from_gangs(t)
                 if self.core.scheduler.config.convoys and self.core.table.get(req.unit) is not None:
                     self.core.scheduler.note_call(t.id, (req.unit, req.op))  # (a valid unit's: bad ones teach nothing)
                 way = MAILBOX if t.gpu is None else QUEUED

@@ -331,6 +331,15 @@ class LocalPrograms:
         if not gang.members:
             self._retire_gang(gang)
 
+    def _away_from_gangs(self, t: Tenant) -> None:
+        """t made a call of its own, not a program's run (a prefill, an eager step): the rounds of
+        its gangs no longer wait for it (gang_wait_us each, for ACTIVE_S) until its next run."""
+        areas = t.areas
+        if areas is not None:
+            for prog in areas.programs.values():
+                if prog.gang is not None:
+                    prog.gang.active.pop(t.id, None)
+
     def _retire_gang(self, gang: Gang) -> None:
         """The gang takes no more runs; its graphs and buffers go once its rounds queued are done."""
         if gang in self._gangs:
