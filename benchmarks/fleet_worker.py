@@ -236,7 +236,7 @@ def prepare(a):
         model.eval()
     if a.step_graphs and a.gemm_linears:
         _steps_of(model).small_linears = False
-    if a.fused_handover:  # (client/transports/graph_words.py: two kernels a call, not GPU-run before session 51)
+    if a.fused_handover:  # (client/transports/graph_words.py: two kernels a call; S3 at a quarter of the pace, session 51)
         from symbiont.client.transports import graph_words
 
         graph_words.FUSED_HANDOVER = True
