@@ -374,6 +374,11 @@ def main() -> int:
                    "over with two kernels (graph_words.FUSED_HANDOVER) instead of four")
     p.add_argument("--gemm-linears", action="store_true", help="with --compiled-steps: the tenant's LoRA linears stay "
                    "cuBLAS GEMMs (StepGraphs.small_linears = False) instead of reductions inductor fuses")
+    p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA never picks cuDNN's kernel "
+                   "(torch.backends.cuda.enable_cudnn_sdp(False)): a decoding step's attention by another "
+                   "backend (session 51: cuDNN's took 28 us a layer and ~3 layout kernels beside it)")
+    p.add_argument("--spin-warps", type=int, default=4, choices=[1, 2, 4, 8], help="symbiont with --step-graphs: "
+                   "warps of each handover's wait (graph_words.SPIN_WARPS; the executor's: serve --spin-warps)")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")
@@ -387,6 +392,12 @@ def main() -> int:
         os.environ["CUDA_MPS_CLIENT_PRIORITY"] = a.mps_priority
     if a.mps_threads:
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
+    if a.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if a.spin_warps != 4:
+        from symbiont.client.transports import graph_words
+
+        graph_words.SPIN_WARPS = a.spin_warps
     if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
         from symbiont.proto.cuda_ipc import set_host_waits
 

@@ -896,8 +896,9 @@ def test_big_calls_of_tenants_that_could_batch_run_on_their_own_streams():
         assert torch.equal(p, q)
 
 
-def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str) -> dict:
-    """tests/jobs/solo_job.py in one same-GPU tenant process per seed, meeting before their loops."""
+def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str, extra: tuple = ()) -> dict:
+    """tests/jobs/solo_job.py in one same-GPU tenant process per seed, meeting before their loops
+    (`extra`: more of its arguments)."""
     import os
     import subprocess
     import sys
@@ -911,7 +912,7 @@ def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str) -> dict
         seed: subprocess.Popen(
             [sys.executable, job, "--url", url, "--mode", mode, "--n", "6" if mode == "train" else "3", "--device", "cuda:0",
              "--seed", str(seed), "--out", str(tmp_path / f"{tag}-{seed}.pt"), "--barrier", str(meet),
-             "--parties", str(len(seeds))],
+             "--parties", str(len(seeds)), *extra],
             cwd=REPO,
         )
         for seed in seeds
@@ -921,7 +922,7 @@ def _run_jobs(tmp_path, url: str, mode: str, seeds: list[int], tag: str) -> dict
     return {seed: torch.load(tmp_path / f"{tag}-{seed}.pt") for seed in seeds}
 
 
-def _alone_then_together(tmp_path, url: str, mode: str, tenants: int = 4) -> tuple:
+def _alone_then_together(tmp_path, url: str, mode: str, tenants: int = 4, extra: tuple = ()) -> tuple:
     """tests/jobs/solo_job.py's `mode` in each of `tenants` processes alone, one after another,
     then in all at once: (their results alone, together, the executor's stats before and after
     the together part)."""
@@ -929,10 +930,10 @@ def _alone_then_together(tmp_path, url: str, mode: str, tenants: int = 4) -> tup
 
     solo = {}
     for seed in range(tenants):
-        solo.update(_run_jobs(tmp_path, url, mode, [seed], f"solo{seed}"))
+        solo.update(_run_jobs(tmp_path, url, mode, [seed], f"solo{seed}", extra))
     with connect(url) as conn:
         before = conn.stats()
-    together = _run_jobs(tmp_path, url, mode, list(range(tenants)), "together")
+    together = _run_jobs(tmp_path, url, mode, list(range(tenants)), "together", extra)
     with connect(url) as conn:
         return solo, together, before, conn.stats()
 
@@ -956,7 +957,8 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
                 torch.testing.assert_close(together[seed][key], a, rtol=1e-4, atol=1e-4, msg=f"tenant {seed}: {key}")
 
 
-@pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps"), ("fused-high", "steps")])
+@pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps"), ("fused-high", "steps"),
+                                         ("fused-spin1", "steps")])
 def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
@@ -965,10 +967,13 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     the rounding of GEMMs batched with the others'; with the rounds' spans computed with the
     tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused); and with the
     tenants' steps compiled (step_graphs="compiled"); and with the gangs' lanes at the highest stream
-    priority (serve --gang-priority)."""
-    flags = ("--gang-spans", "fused", "--gang-priority", "-5") if spans == "fused-high" else ("--gang-spans", spans)
+    priority (serve --gang-priority); and with every word wait one warp (serve --spin-warps,
+    graph_words.SPIN_WARPS)."""
+    flags = {"fused-high": ("--gang-spans", "fused", "--gang-priority", "-5"),
+             "fused-spin1": ("--gang-spans", "fused", "--spin-warps", "1")}.get(spans, ("--gang-spans", spans))
+    extra = ("--spin-warps", "1") if spans == "fused-spin1" else ()
     with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
-        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode)
+        solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode, extra=extra)
     paths = dict(stats.call_paths)
     ganged = paths.get("step program, ganged", 0) - dict(before.call_paths).get("step program, ganged", 0)
     calls, batches = stats.calls - before.calls, stats.batches - before.batches

@@ -24,6 +24,9 @@ import torch
 from symbiont.proto.codec import int32_words
 
 COPY_BLOCK = 1024  # int32 words per program of a row copy
+SPIN_WARPS = 4
+"""Warps of a wait's one program (`serve --spin-warps`): each spins on the words, which are host
+memory its loads read across PCIe, and sums across its warps at every turn. Set before `warm`."""
 
 
 @functools.cache
@@ -80,7 +83,8 @@ def _block(slots: int) -> int:
 def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:
     """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with seqs[s] != 0."""
     slots = seqs.shape[0]
-    _kernels()[0][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq)
+    _kernels()[0][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq,
+                        num_warps=SPIN_WARPS)
 
 
 def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:

@@ -3,7 +3,7 @@
 The CUDA driver's stream memory operations, which order a call's steps on our GPU otherwise
 (cuStreamWriteValue32, cuStreamWaitValue32), invalidate a stream capture (benchmarks/RESULTS.md,
 session 47: benchmarks/probes/graphed_step.py). Inside a graph the words are written and waited on
-by one-thread kernels instead: `write` stores the value; `wait` spins on a volatile load until the
+by one-program kernels instead: `write` stores the value; `wait` (SPIN_WARPS warps) spins on a volatile load until the
 word reaches the value (an int32 `>=`: program words count 1, 2, ... from 0 and are released with
 0x7FFFFFFF). The mailbox's words page is page-locked host memory mapped for our GPU; `page` is an
 int32 CUDA tensor over that mapping. Triton is imported at the first use.
@@ -85,6 +85,9 @@ FUSED_HANDOVER = False
 """Whether a step program's calls hand over with `put` and `take` (two kernels a call) instead of
 a copy, a write, a wait and a copy (client/transports/local_programs.py). Off until it has run on
 a GPU (its fences are not checked anywhere else)."""
+SPIN_WARPS = 4
+"""Warps of `wait`'s one program: each spins on the word, host memory its loads read across PCIe
+(benchmarks/fleet_worker.py --spin-warps). Set before the first call (warm compiles for it)."""
 MAX_FUSED_BYTES = 1 << 16  # a call's input or result that one program copies, at most (larger: the four nodes)
 _WARPS = 16
 _BLOCK = 4096  # int32 words a program copies at a time (one program: its release needs every thread's copy first)
@@ -132,4 +135,4 @@ def write(page: torch.Tensor, index: int, value: int) -> None:
 
 def wait(page: torch.Tensor, index: int, value: int) -> None:
     """Queues on the current stream a wait until page[index] >= value (int32)."""
-    _kernels()[1][(1,)](page, index, value)
+    _kernels()[1][(1,)](page, index, value, num_warps=SPIN_WARPS)

@@ -127,7 +127,12 @@ if __name__ == "__main__":
     p.add_argument("--parties", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cuda:N: a same-GPU tenant (train: built from the skeleton)")
     p.add_argument("--seed", type=int, default=0, help="the data (train on cuda: also the adapter's rank and init)")
+    p.add_argument("--spin-warps", type=int, default=None, help="steps: warps of each handover's wait (graph_words.SPIN_WARPS)")
     a = p.parse_args()
+    if a.spin_warps is not None:
+        from symbiont.client.transports import graph_words
+
+        graph_words.SPIN_WARPS = a.spin_warps
     sync = lambda: barrier(a.barrier, f"{a.mode}-{a.seed}", a.parties)  # noqa: E731
     compiled_steps = functools.partial(steps, graphs="compiled")
     hosted_steps = functools.partial(steps, hosted=True)
