@@ -236,6 +236,8 @@ def prepare(a):
         model.eval()
     if a.step_graphs and a.gemm_linears:
         _steps_of(model).small_linears = False
+    if a.step_graphs and a.compiled_prefill:
+        _steps_of(model).compiled_prefill = True
     if a.fused_handover:  # (client/transports/graph_words.py: two kernels a call; S3 at a quarter of the pace, session 51)
         from symbiont.client.transports import graph_words
 
@@ -377,6 +379,8 @@ def main() -> int:
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA never picks cuDNN's kernel "
                    "(torch.backends.cuda.enable_cudnn_sdp(False)): a decoding step's attention by another "
                    "backend (session 51: cuDNN's took 28 us a layer and ~3 layout kernels beside it)")
+    p.add_argument("--compiled-prefill", action="store_true", help="with --compiled-steps: the prefill runs through "
+                   "the compiled forward too (StepGraphs.compiled_prefill)")
     p.add_argument("--spin-warps", type=int, default=4, choices=[1, 2, 4, 8], help="symbiont with --step-graphs: "
                    "warps of each handover's wait (graph_words.SPIN_WARPS; the executor's: serve --spin-warps)")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")

@@ -38,6 +38,10 @@ copies the step's inputs in, sends one request, and launches one graph.
   replay writes again, the same. The tenant's own linears of few rows (its LoRA's A and B at a
   decoding step) are traced as float32 products summed, which inductor fuses with their neighbours
   (instead of two cuBLAS GEMMs a LoRA: `model.forward.small_linears = False` keeps the GEMMs).
+  `model.forward.compiled_prefill = True` runs a prefill into the static cache through the compiled
+  forward too (not captured: once a prompt length; after a second length, symbolic in it): a
+  prefill is ~1,000 eager launches, in a burst the other tenants' steps share the GPU with (an
+  experiment, off: benchmarks/fleet_worker.py --compiled-prefill).
   A compile inside the capture (a guard the run before it passed failing there) fails the
   capture: the step runs eagerly from then on. A call of that run failing for a passing reason
   (retry later, the executor away) leaves the step eager, captured again at a later step. One
@@ -104,17 +108,21 @@ class StepGraphs:
         self.failures: list[str] = []  # why captures failed (each such step shape runs eagerly)
         self._tuner = None  # the model's first PEFT adapter layer (False: none), found at the first step
         self.small_linears = True  # compiled: the tenant's own linears of few rows as reductions (_SmallLinears)
+        self.compiled_prefill = False  # compiled: a prefill into a static cache runs compiled too (not a graph)
 
     def __deepcopy__(self, memo):
         import copy
 
         graphs = StepGraphs(copy.deepcopy(self._forward, memo), self._transports, compiled=self._compiled is not None)
-        graphs.small_linears = self.small_linears
+        graphs.small_linears, graphs.compiled_prefill = self.small_linears, self.compiled_prefill
         return graphs
 
     def __call__(self, *args, **kwargs):
         key = self._key(args, kwargs)
         if key is None or key in self._failed:
+            if self.compiled_prefill and self._compiled is not None and _prefill(args, kwargs):
+                with _COMPILED_CAPTURES:  # (its compile is never inside another thread's capture)
+                    return self._compiled(**kwargs)
             return self._forward(*args, **kwargs)
         steps = self._steps()
         step = steps.get(key)
@@ -291,6 +299,16 @@ _COMPILED_CAPTURES = threading.Lock()  # a compiled step's run before its captur
 TRANSIENT = (ResourceExhaustedError, ExecutorUnavailableError, NotAttachedError)  # a warm run's call failures worth a retry
 
 
+def _prefill(args, kwargs) -> bool:
+    """Whether a forward is a prefill StepGraphs.compiled_prefill runs compiled: ids of more than
+    one token a row into a static cache, without gradients or anything of EAGER."""
+    ids = kwargs.get("input_ids")
+    return (not args and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _static(_cache(kwargs), filled=False)
+            and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER)
+            and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def _graphs_compiled() -> int:
     """How many graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters
@@ -369,14 +387,15 @@ def _cache(kwargs):
     return next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
 
 
-def _static(cache) -> bool:
-    """Whether cache is a filled static cache whose layers keep all their state in GPU tensors
-    (transformers' StaticLayer exactly: a sliding-window layer counts its length on the host)."""
+def _static(cache, filled: bool = True) -> bool:
+    """Whether cache is a static cache (`filled`: whose layers hold their tensors already) whose
+    layers keep all their state in GPU tensors (transformers' StaticLayer exactly: a
+    sliding-window layer counts its length on the host)."""
     from transformers.cache_utils import StaticLayer
 
     layers = getattr(cache, "layers", None)
     return (bool(layers) and getattr(cache, "is_compileable", False)
-            and all(type(layer) is StaticLayer and layer.is_initialized for layer in layers))
+            and all(type(layer) is StaticLayer and (layer.is_initialized or not filled) for layer in layers))
 
 
 def _length(cache) -> int | None:

@@ -1175,7 +1175,7 @@ def test_same_gpu_tenant_trains_after_inference_mode():
 
 
 @pytest.mark.parametrize("dtype, graphs", [("float32", True), ("bfloat16", True), ("float32", "compiled"),
-                                          ("bfloat16", "handover")])
+                                          ("bfloat16", "handover"), ("float32", "compiled-prefill")])
 def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs, monkeypatch):
     """A same-GPU tenant whose decoding steps replay as CUDA graphs with their calls as step
     programs (virtualize(step_graphs=True)) gives bitwise the greedy tokens and scores of the same
@@ -1185,13 +1185,16 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs, monkeypatch)
     natively after the first. step_graphs="compiled" (the steps captured from the forward compiled
     by torch.compile): the same tokens, the scores within float32 rounding (inductor's fused
     kernels round otherwise), no capture failing. "handover": step graphs whose calls hand over with
-    two kernels each (graph_words.FUSED_HANDOVER: put and take, their system-scope fences), bitwise."""
+    two kernels each (graph_words.FUSED_HANDOVER: put and take, their system-scope fences), bitwise.
+    "compiled-prefill": compiled steps whose prefills run compiled too (StepGraphs.compiled_prefill)."""
     from symbiont import connect
     from symbiont.client.transports import graph_words
 
     if graphs == "handover":
         monkeypatch.setattr(graph_words, "FUSED_HANDOVER", True)
         graphs = True
+    prefill = graphs == "compiled-prefill"
+    graphs = "compiled" if prefill else graphs
     torch.backends.cuda.matmul.allow_tf32 = False
     torch_dtype = getattr(torch, dtype)
     with running_executor("tiny-llama", "--device", "cuda:0", "--dtype", dtype) as ex:
@@ -1204,6 +1207,7 @@ def test_step_graphs_decode_as_the_eager_tenant_does(dtype, graphs, monkeypatch)
         eager = virtualize(make(), conn)
         graphed = virtualize(make(), conn, step_graphs=graphs)
         steps = graphed.get_base_model().forward
+        steps.compiled_prefill = prefill
         kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True,
                   output_scores=True, return_dict_in_generate=True)
 

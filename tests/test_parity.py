@@ -56,6 +56,30 @@ def test_step_graphs_leave_a_cpu_tenants_decoding_as_it_was(executor, step_graph
     assert steps.captures == 0 and steps.replays == 0 and not steps.failures
 
 
+def test_a_compiled_prefill_gives_the_unsplit_models_tokens(executor):
+    """StepGraphs.compiled_prefill (step_graphs="compiled"): a prefill into a static cache runs
+    through the compiled forward (one compile a prompt length; the decoding steps of a CPU tenant
+    stay eager), and greedy decoding gives the unsplit LoRA model's tokens; off, nothing compiles."""
+    from torch._dynamo.utils import counters
+
+    from symbiont.client.step_graphs import _graphs_compiled
+
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True)
+    for on in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        virt = virtualize(lora_model("tiny-llama"), executor.url, step_graphs="compiled")
+        steps = virt.get_base_model().forward
+        steps.compiled_prefill = on
+        compiled = []
+        for seed in (5, 6):  # (the second prompt of the same length compiles nothing more)
+            prompt = ids(1, 7, seed=seed)
+            assert torch.equal(virt.generate(prompt, **kw), lora_model("tiny-llama").generate(prompt, **kw))
+            compiled.append(_graphs_compiled())
+        assert compiled == ([1, 1] if on else [0, 0]), (on, compiled, dict(counters["graph_break"]))
+        assert steps.replays == 0
+
+
 def test_a_compiled_steps_run_before_its_capture_leaves_the_caches_length():
     """step_graphs="compiled" runs a step once before capturing it (client/step_graphs.py): the
     static cache's length (StaticLayer.cumulative_length, which every update advances) is what it
