@@ -17,8 +17,8 @@ slot i // rows's (each slot brings `rows` rows).
 
 The sums run in another order than cuBLAS's, so a slot's delta is within float rounding of
 Delta.add_to's, as every ganged result is within the batching tolerance of the lone call's.
-Ranks up to adapters.MAX_RANK; t is a float32 scratch of at least `rows` x (parts x that many)
-columns.
+Ranks up to adapters.MAX_RANK; t is a float32 scratch of at least the batch's rows x (parts x that
+many) columns.
 """
 from __future__ import annotations
 
@@ -112,6 +112,10 @@ def add(x: torch.Tensor, y: torch.Tensor, places: list, table: torch.Tensor, col
     least min(len(places), MAX_PARTS) x adapters.MAX_RANK columns."""
     from symbiont.base_executor.adapters import MAX_RANK
 
+    ends = sorted((at, at + n) for at, n in places)
+    if t.shape[0] < x.shape[0] or t.shape[1] < min(len(places), MAX_PARTS) * MAX_RANK or any(
+            a[1] > b[0] for a, b in zip(ends, ends[1:])):  # (one launch's parts add into y at once)
+        raise ValueError(f"gang_lora.add: scratch {tuple(t.shape)} for {x.shape[0]} rows, or parts' columns overlap: {places}")
     adt = _TRITON_DTYPES[dtype]
     kw = dict(enable_fp_fusion=False)  # (each product and sum rounds on its own, as torch's ops)
     for g in range(0, len(places), MAX_PARTS):

@@ -105,7 +105,9 @@ class _SlotDeltas:
         # place's parts are one adapter's, next to one another in adapter_parts' order)
         self.places = {}
         for i, (at, first, width, _, dtype) in enumerate(parts):
-            places, _, _ = self.places.setdefault(at, ([], col + i * gang_lora.FIELDS, dtype))
+            places, start, _ = self.places.setdefault(at, ([], col + i * gang_lora.FIELDS, dtype))
+            if start + len(places) * gang_lora.FIELDS != col + i * gang_lora.FIELDS:
+                raise ValueError(f"a gang call's {at!r} deltas are not next to one another: {parts}")
             places.append((first, width))
         self.adapters, self.seqs, self.rows, self.t = adapters, seqs, rows, t
 

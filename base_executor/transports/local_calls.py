@@ -254,7 +254,7 @@ class LocalCalls:
         if n:
             self.paths[NATIVE] += n
             self._count_late(areas)
-            self._away_from_gangs(t)  # (a lane serves no ganged program's runs: these are calls of its own)
+            self._away_from_gangs(t)  # (a lane serves no ganged program's runs: calls of its own, or a lone program's)
             now = time.monotonic()
             t.last_call = now
             self.core.scheduler.lost_track(t.id)  # (where it is in its round of units: not seen)

@@ -7,8 +7,8 @@ For a few tenants: their token's wall time, the time their own kernels ran, the 
 in their handovers (word waits: the executor's answer), kernels a token, and the kernels by
 launches a token (names cut to 60 characters). For the executor: each stream's calls, split at its
 word waits (a gang round's call: the wait until every taking-part tenant's word is in, then the
-gather, the unit and the scatter), the wait and the work after it as percentiles, and what one
-call launches.
+gather, the unit and the scatter; a round's wait for its runs and its first call's wait are one),
+the wait and the work after it as percentiles, and what one call launches.
 """
 from __future__ import annotations
 
@@ -64,8 +64,15 @@ def executor(part: dict) -> str:
     lines = ["executor, by stream:"]
     for st, ss in sorted(by.items(), key=lambda kv: -len(kv[1])):
         ss.sort()
-        at = [i for i, (_, _, n) in enumerate(ss) if n == WAIT]
-        lines.append(f"  stream {st}: {len(ss)} kernels, {len(at)} word waits, busy {sum(e - s for s, e, _ in ss) / 1e3:.1f} ms")
+        merged = []  # (a round's wait for its runs, then its first call's wait: one wait)
+        for s, e, n in ss:
+            if n == WAIT and merged and merged[-1][2] == WAIT:
+                merged[-1] = (merged[-1][0], e, WAIT)
+            else:
+                merged.append((s, e, n))
+        ss = merged
+        at = [i for i, (_, _, n) in enumerate(ss) if n == WAIT] + [len(ss)]
+        lines.append(f"  stream {st}: {len(ss)} kernels, {len(at) - 1} word waits, busy {sum(e - s for s, e, _ in ss) / 1e3:.1f} ms")
         if len(at) < 2:
             continue
         waits, works, gaps, shapes = [], [], [], collections.Counter()
@@ -73,7 +80,8 @@ def executor(part: dict) -> str:
             call = ss[i:j]
             waits.append(call[0][1] - call[0][0])
             works.append(call[-1][1] - call[0][1])  # (from the wait's end to the call's last kernel's)
-            gaps.append(ss[j][0] - call[-1][1])
+            if j < len(ss):
+                gaps.append(ss[j][0] - call[-1][1])
             shapes[tuple(n for _, _, n in call[1:])] += 1
         lines.append(f"    the wait for the round's tenants: {band(waits)}")
         lines.append(f"    the call's work after it:         {band(works)}")
