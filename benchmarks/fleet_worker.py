@@ -238,10 +238,10 @@ def prepare(a):
         _steps_of(model).small_linears = False
     if a.step_graphs and a.compiled_prefill:
         _steps_of(model).compiled_prefill = True
-    if a.fused_handover:  # (client/transports/graph_words.py: two kernels a call; S3 at a quarter of the pace, session 51)
+    if a.step_graphs:  # (how each call's handover goes: client/transports/graph_words.py; set before the first capture)
         from symbiont.client.transports import graph_words
 
-        graph_words.FUSED_HANDOVER = True
+        graph_words.FUSED_HANDOVER, graph_words.SPIN_WARPS = a.fused_handover, a.spin_warps
     return model, conn, names
 
 
@@ -373,7 +373,7 @@ def main() -> int:
     p.add_argument("--compiled-steps", action="store_true", help="with --step-graphs: the steps captured from the "
                    "forward compiled by torch.compile (step_graphs='compiled')")
     p.add_argument("--fused-handover", action="store_true", help="with --step-graphs: each call of a step hands "
-                   "over with two kernels (graph_words.FUSED_HANDOVER) instead of four")
+                   "over with two kernels (graph_words.FUSED_HANDOVER) instead of four (S3 at a quarter of the pace, session 51)")
     p.add_argument("--gemm-linears", action="store_true", help="with --compiled-steps: the tenant's LoRA linears stay "
                    "cuBLAS GEMMs (StepGraphs.small_linears = False) instead of reductions inductor fuses")
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA never picks cuDNN's kernel "
@@ -398,10 +398,6 @@ def main() -> int:
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = a.mps_threads
     if a.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if a.spin_warps != 4:
-        from symbiont.client.transports import graph_words
-
-        graph_words.SPIN_WARPS = a.spin_warps
     if a.cuda_waits != "auto" and a.device.startswith("cuda"):  # (before this process first uses its GPU)
         from symbiont.proto.cuda_ipc import set_host_waits
 

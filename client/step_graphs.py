@@ -158,14 +158,12 @@ class StepGraphs:
 
     def _key(self, args, kwargs):
         """The shape key of a step that may be replayed, or None (eager)."""
-        if args or torch.is_grad_enabled() or torch.compiler.is_compiling() or len(self._transports) != 1:
+        if not _plain(args, kwargs) or len(self._transports) != 1:
             return None
         ids, cache = kwargs.get("input_ids"), _cache(kwargs)
         if not (isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dim() == 2 and ids.shape[1] == 1):
             return None
         if not _static(cache):
-            return None
-        if any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER):
             return None
         if torch.cuda.is_current_stream_capturing() or not self._transports[0].programs_possible():
             return None
@@ -299,14 +297,19 @@ _COMPILED_CAPTURES = threading.Lock()  # a compiled step's run before its captur
 TRANSIENT = (ResourceExhaustedError, ExecutorUnavailableError, NotAttachedError)  # a warm run's call failures worth a retry
 
 
+def _plain(args, kwargs) -> bool:
+    """Whether a forward may run other than eagerly at all: keyword arguments only, no gradients,
+    not inside a trace, nothing of EAGER."""
+    return (not args and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER))
+
+
 def _prefill(args, kwargs) -> bool:
     """Whether a forward is a prefill StepGraphs.compiled_prefill runs compiled: ids of more than
-    one token a row into a static cache, without gradients or anything of EAGER."""
+    one token a row into a static cache, a _plain forward, not inside a capture."""
     ids = kwargs.get("input_ids")
-    return (not args and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and _static(_cache(kwargs), filled=False)
-            and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in EAGER)
-            and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()))
+    return (_plain(args, kwargs) and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
+            and _static(_cache(kwargs), filled=False) and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _graphs_compiled() -> int:

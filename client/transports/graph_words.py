@@ -83,8 +83,8 @@ def _kernels():
 
 FUSED_HANDOVER = False
 """Whether a step program's calls hand over with `put` and `take` (two kernels a call) instead of
-a copy, a write, a wait and a copy (client/transports/local_programs.py). Off until it has run on
-a GPU (its fences are not checked anywhere else)."""
+a copy, a write, a wait and a copy (client/transports/local_programs.py). Off: exact on a GPU, but
+slower with many tenants (the module's docstring)."""
 SPIN_WARPS = 4
 """Warps of `wait`'s one program: each spins on the word, host memory its loads read across PCIe
 (benchmarks/fleet_worker.py --spin-warps). Set before the first call (warm compiles for it)."""
