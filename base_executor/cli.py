@@ -518,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "recent members not in a round to ask for their next run")
     s.add_argument("--gang-priority", type=int, default=0, help="same GPU: the CUDA stream priority of the gangs' "
                    "lanes (lower is higher, e.g. -5: rounds' kernels scheduled ahead of the tenants'; 0: default)")
-    s.add_argument("--spin-warps", type=int, default=4, choices=[1, 2, 4, 8], help="same GPU: warps of each gang "
+    s.add_argument("--spin-warps", type=int, default=1, choices=[1, 2, 4, 8], help="same GPU: warps of each gang "
                    "round's word waits (each spins on the tenants' words in host memory)")
     s.add_argument("--gang-lanes", type=int, default=4, help="same GPU: streams a gang's rounds run on at once (while "
                    "all are busy, runs gather into the next round)")

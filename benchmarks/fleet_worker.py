@@ -381,7 +381,7 @@ def main() -> int:
                    "backend (session 51: cuDNN's took 28 us a layer and ~3 layout kernels beside it)")
     p.add_argument("--compiled-prefill", action="store_true", help="with --compiled-steps: the prefill runs through "
                    "the compiled forward too (StepGraphs.compiled_prefill)")
-    p.add_argument("--spin-warps", type=int, default=4, choices=[1, 2, 4, 8], help="symbiont with --step-graphs: "
+    p.add_argument("--spin-warps", type=int, default=1, choices=[1, 2, 4, 8], help="symbiont with --step-graphs: "
                    "warps of each handover's wait (graph_words.SPIN_WARPS; the executor's: serve --spin-warps)")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],

@@ -958,7 +958,7 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
 
 
 @pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps"), ("fused-high", "steps"),
-                                         ("fused-spin1", "steps")])
+                                         ("fused-spin4", "steps")])
 def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
@@ -967,11 +967,11 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     the rounding of GEMMs batched with the others'; with the rounds' spans computed with the
     tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused); and with the
     tenants' steps compiled (step_graphs="compiled"); and with the gangs' lanes at the highest stream
-    priority (serve --gang-priority); and with every word wait one warp (serve --spin-warps,
-    graph_words.SPIN_WARPS)."""
+    priority (serve --gang-priority); and with every word wait four warps (serve --spin-warps,
+    graph_words.SPIN_WARPS; one by default)."""
     flags = {"fused-high": ("--gang-spans", "fused", "--gang-priority", "-5"),
-             "fused-spin1": ("--gang-spans", "fused", "--spin-warps", "1")}.get(spans, ("--gang-spans", spans))
-    extra = ("--spin-warps", "1") if spans == "fused-spin1" else ()
+             "fused-spin4": ("--gang-spans", "fused", "--spin-warps", "4")}.get(spans, ("--gang-spans", spans))
+    extra = ("--spin-warps", "4") if spans == "fused-spin4" else ()
     with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
         solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode, extra=extra)
     paths = dict(stats.call_paths)

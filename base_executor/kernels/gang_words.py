@@ -24,9 +24,10 @@ import torch
 from symbiont.proto.codec import int32_words
 
 COPY_BLOCK = 1024  # int32 words per program of a row copy
-SPIN_WARPS = 4
+SPIN_WARPS = 1
 """Warps of a wait's one program (`serve --spin-warps`): each spins on the words, which are host
-memory its loads read across PCIe, and sums across its warps at every turn. Set before `warm`."""
+memory its loads read across PCIe. One: S3 at N = 16 gave 1,893.7 tokens/s with one-warp waits on
+both sides against 1,393.2 with four (session 52, call 1). Set before `warm`."""
 
 
 @functools.cache

@@ -9,7 +9,8 @@ word reaches the value (an int32 `>=`: program words count 1, 2, ... from 0 and 
 int32 CUDA tensor over that mapping. Triton is imported at the first use.
 
 Fused handovers (`FUSED_HANDOVER`, off: exact on the GPU, but 16 tenants decoded at a quarter of
-the four nodes' pace, session 51: every thread of a waiting `take` spins): a call's four graph nodes (the
+the four nodes' pace in session 51, when every thread of 16 warps of a waiting `take` spun; it spins
+with SPIN_WARPS now): a call's four graph nodes (the
 copy of its input into the mailbox, the word write, the wait, the copy of its result out) become
 two kernels of one program each. `put` copies the input, then (every thread's stores before it:
 a barrier, then one thread's system-scope release store, as CUTLASS's semaphores release) writes
@@ -85,12 +86,14 @@ FUSED_HANDOVER = False
 """Whether a step program's calls hand over with `put` and `take` (two kernels a call) instead of
 a copy, a write, a wait and a copy (client/transports/local_programs.py). Off: exact on a GPU, but
 slower with many tenants (the module's docstring)."""
-SPIN_WARPS = 4
-"""Warps of `wait`'s one program: each spins on the word, host memory its loads read across PCIe
-(benchmarks/fleet_worker.py --spin-warps). Set before the first call (warm compiles for it)."""
+SPIN_WARPS = 1
+"""Warps of `wait`'s and `take`'s one program: each spins on the word, host memory its loads read
+across PCIe (benchmarks/fleet_worker.py --spin-warps). One: S3 at N = 16 gave 1.36x the tokens/s
+of four, with the executor's waits one warp too (session 52, call 1). Set before the first call
+(warm compiles for it)."""
 MAX_FUSED_BYTES = 1 << 16  # a call's input or result that one program copies, at most (larger: the four nodes)
-_WARPS = 16
-_BLOCK = 4096  # int32 words a program copies at a time (one program: its release needs every thread's copy first)
+_WARPS = 16  # put's (it does not spin)
+_WORDS_A_THREAD = 8  # int32 words each thread copies at a time (one program: its release needs every thread's copy first)
 
 
 def warm(page: torch.Tensor, index: int) -> None:
@@ -109,15 +112,16 @@ def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torc
     """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value,
     released to the system (the executor's GPU wait sees the word only after the data)."""
     kernels = _kernels()
-    kernels[2][(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=kernels[4],
-                     num_warps=_WARPS)
+    kernels[2][(1,)](page, index, value, dst, src, src.numel(), BLOCK=32 * _WARPS * _WORDS_A_THREAD,
+                     THREADS=32 * _WARPS, ASM=kernels[4], num_warps=_WARPS)
 
 
 def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Queues on the current stream: a wait until page[index] >= value, then dst = src (int32 words)."""
+    """Queues on the current stream: a wait until page[index] >= value (SPIN_WARPS warps spinning),
+    then dst = src (int32 words)."""
     kernels = _kernels()
-    kernels[3][(1,)](page, index, value, dst, src, src.numel(), BLOCK=_BLOCK, THREADS=32 * _WARPS, ASM=kernels[4],
-                     num_warps=_WARPS)
+    kernels[3][(1,)](page, index, value, dst, src, src.numel(), BLOCK=32 * SPIN_WARPS * _WORDS_A_THREAD,
+                     THREADS=32 * SPIN_WARPS, ASM=kernels[4], num_warps=SPIN_WARPS)
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
