@@ -59,3 +59,34 @@ def test_no_garbage_collection_runs_while_a_graph_is_captured():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_rounds_word_kernels_wait_write_gather_and_scatter():
+    """kernels/gang_words.py in Triton's interpreter (its kernels run one after another: a wait
+    whose words are short would never end, so every wait here finds them reached, including
+    cyclic seqs past 2^31): writes reach only the taking-part slots' words, gather and scatter copy
+    only their rows."""
+    from symbiont.base_executor.kernels import gang_words
+
+    slots, n = 3, 5
+    words = torch.zeros((slots, 2), dtype=torch.int32)
+    rows = torch.arange(slots * n, dtype=torch.int32).view(slots, n) + 100
+    table = torch.stack([torch.tensor([words[s].data_ptr(), words[s].data_ptr() + 4, rows[s].data_ptr()])
+                         for s in range(slots)])
+    seqs = torch.tensor([7, 0, -2**31 + 3], dtype=torch.int32)  # (slot 1 sits out; slot 2's seq wrapped around)
+    gang_words.write(table, 0, seqs, from_seq=True)
+    assert words[:, 0].tolist() == [7, 0, -2**31 + 3]
+    gang_words.wait(table, 0, seqs, from_seq=True)  # (reached: returns)
+    gang_words.write(table, 1, seqs, 4)
+    assert words[:, 1].tolist() == [4, 0, 4]
+    gang_words.wait(table, 1, seqs, 3)  # (4 - 3 >= 0 for each taking-part slot; slot 1's 0 is not looked at)
+    words[0, 1] = 2**31 - 1  # (released: past every number)
+    gang_words.wait(table, 1, seqs, 4)
+    batch = torch.zeros(slots * n, dtype=torch.int32)
+    gang_words.gather(table, 2, seqs, batch)
+    assert batch.view(slots, n)[0].tolist() == rows[0].tolist() and batch.view(slots, n)[2].tolist() == rows[2].tolist()
+    assert not batch.view(slots, n)[1].any()
+    before = rows.clone()
+    gang_words.scatter(-batch, table, 2, seqs)
+    assert rows[0].tolist() == (-before[0]).tolist() and rows[2].tolist() == (-before[2]).tolist()
+    assert torch.equal(rows[1], before[1])

@@ -8,8 +8,9 @@ input_seq; 0: the slot sits the round out). Every kernel reads both when it runs
 
 - wait: one program spins (volatile loads) until each taking-part slot's word at column `col`
   reaches `value`, or the slot's own seq with `from_seq` (cyclic, as the driver's
-  cuStreamWaitValue32 GEQ: word - value >= 0 as int32). The words are mailbox words,
-  page-locked host memory mapped for our GPU (released with 0x7FFFFFFF).
+  cuStreamWaitValue32 GEQ: word - value >= 0 as int32), loading again only the words still
+  short. The words are mailbox words, page-locked host memory mapped for our GPU (released with
+  0x7FFFFFFF).
 - write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col`.
 - gather: copies each taking-part slot's row (n int32 words at the address in column `col`) into
   row `slot` of a contiguous batch; scatter copies a batch's rows back out.
@@ -46,10 +47,12 @@ def _kernels():
             target = seq * 0 + value
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         word = tl.load(words, mask=on, other=0, volatile=True)
-        short = tl.sum((on & ((word - target) < 0)).to(tl.int32), axis=0)
-        while short > 0:
-            word = tl.load(words, mask=on, other=0, volatile=True)
-            short = tl.sum((on & ((word - target) < 0)).to(tl.int32), axis=0)
+        # (a word that reached its target stays there until the round itself resets it: only the
+        # words still short are loaded again, so each turn reads fewer words across PCIe)
+        short = on & ((word - target) < 0)
+        while tl.sum(short.to(tl.int32), axis=0) > 0:
+            word = tl.load(words, mask=short, other=0, volatile=True)
+            short = short & ((word - target) < 0)
 
     @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
     def write(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
@@ -66,7 +69,7 @@ def _kernels():
     def copy_rows(table, width, col, seqs, batch, n, BLOCK: tl.constexpr, GATHER: tl.constexpr):
         slot = tl.program_id(0)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        on = (j < n) & (tl.load(seqs + slot) != 0)
+        on = (j < n) & ((j * 0 + tl.load(seqs + slot)) != 0)  # (a block, not a scalar: Triton's interpreter masks so)
         row = tl.load(table + slot * width + col).to(tl.pointer_type(tl.int32))
         mine = batch + slot.to(tl.int64) * n + j
         if GATHER:
