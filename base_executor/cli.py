@@ -148,7 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         native_serve=not (args.no_native_serve or tensor), solo_tokens=args.solo_tokens, gpu_batches=args.gpu_batches,
         ids_on_host=args.ids_on_host, max_tenants=args.max_tenants, gang_slots=args.gang_slots,
         gang_wait_us=args.gang_wait_us, gang_lanes=args.gang_lanes, gang_spans=gang_spans,
-        gang_priority=args.gang_priority, spin_warps=args.spin_warps,
+        gang_priority=args.gang_priority, spin_warps=args.spin_warps, spin_nap_ns=args.spin_nap_ns,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -520,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "lanes (lower is higher, e.g. -5: rounds' kernels scheduled ahead of the tenants'; 0: default)")
     s.add_argument("--spin-warps", type=int, default=1, choices=[1, 2, 4, 8], help="same GPU: warps of each gang "
                    "round's word waits (each spins on the tenants' words in host memory)")
+    s.add_argument("--spin-nap-ns", type=int, default=0, help="same GPU: nanoseconds each gang round's word wait "
+                   "sleeps between its looks at the words (0: none)")
     s.add_argument("--gang-lanes", type=int, default=4, help="same GPU: streams a gang's rounds run on at once (while "
                    "all are busy, runs gather into the next round)")
     s.add_argument("--gang-spans", default=None, choices=["eager", "fused"], help="same GPU: how a gang's round "

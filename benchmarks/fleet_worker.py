@@ -242,6 +242,7 @@ def prepare(a):
         from symbiont.client.transports import graph_words
 
         graph_words.FUSED_HANDOVER, graph_words.SPIN_WARPS = a.fused_handover, a.spin_warps
+        graph_words.SPIN_NAP_NS = a.spin_nap_ns
     return model, conn, names
 
 
@@ -383,6 +384,8 @@ def main() -> int:
                    "the compiled forward too (StepGraphs.compiled_prefill)")
     p.add_argument("--spin-warps", type=int, default=1, choices=[1, 2, 4, 8], help="symbiont with --step-graphs: "
                    "warps of each handover's wait (graph_words.SPIN_WARPS; the executor's: serve --spin-warps)")
+    p.add_argument("--spin-nap-ns", type=int, default=0, help="symbiont with --step-graphs: nanoseconds each "
+                   "handover's wait sleeps between its looks at the word (graph_words.SPIN_NAP_NS)")
     p.add_argument("--static-cache", action="store_true", help="infer: generate with a static KV cache, eagerly")
     p.add_argument("--lm-loss", default="fused", choices=["fused", "chunked", "transformers"],
                    help="symbiont: the causal-LM loss, conn.model(..., lm_loss=) (client/loss.py)")

@@ -29,6 +29,9 @@ SPIN_WARPS = 1
 """Warps of a wait's one program (`serve --spin-warps`): each spins on the words, which are host
 memory its loads read across PCIe. One: S3 at N = 16 gave 1,893.7 tokens/s with one-warp waits on
 both sides against 1,393.2 with four (session 52, call 1). Set before `warm`."""
+SPIN_NAP_NS = 0
+"""Nanoseconds a wait sleeps between its looks at the words (`serve --spin-nap-ns`; 0: none, it
+looks again at once). Set before `warm`."""
 
 
 @functools.cache
@@ -37,7 +40,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
-    def wait(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
+    def wait(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr, NAP: tl.constexpr):
         i = tl.arange(0, BLOCK)
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
@@ -51,6 +54,9 @@ def _kernels():
         # words still short are loaded again, so each turn reads fewer words across PCIe)
         short = on & ((word - target) < 0)
         while tl.sum(short.to(tl.int32), axis=0) > 0:
+            if NAP > 0:  # (the next look after NAP ns: fewer reads across PCIe, a later reaction)
+                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [seq * 0 + NAP], dtype=tl.int32,
+                                          is_pure=False, pack=1)
             word = tl.load(words, mask=short, other=0, volatile=True)
             short = short & ((word - target) < 0)
 
@@ -88,7 +94,7 @@ def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from
     """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with seqs[s] != 0."""
     slots = seqs.shape[0]
     _kernels()[0][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq,
-                        num_warps=SPIN_WARPS)
+                        NAP=SPIN_NAP_NS, num_warps=SPIN_WARPS)
 
 
 def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:

@@ -118,6 +118,9 @@ class LocalServerConfig:
     spin_warps: int = 1
     """Warps of each gang round's word waits (kernels/gang_words.py SPIN_WARPS): fewer spin with
     fewer loads of host memory (one: 1.36x the tokens/s of four at S3 N = 16, session 52)."""
+    spin_nap_ns: int = 0
+    """Nanoseconds each gang round's word wait sleeps between its looks (kernels/gang_words.py
+    SPIN_NAP_NS; 0: none)."""
     gang_spans: str = "fused"
     """How a gang's round computes a layer span: "fused" with its elementwise work in two kernels
     (runner.span_fused: 7 a call; within float rounding, like every ganged result; S3 N = 16 at

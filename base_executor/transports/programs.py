@@ -276,7 +276,8 @@ class LocalPrograms:
         try:
             from symbiont.base_executor.kernels import gang_words
 
-            gang_words.SPIN_WARPS = self.config.spin_warps  # (before warm: the kernel is compiled for it)
+            # (before warm: the kernel is compiled for them)
+            gang_words.SPIN_WARPS, gang_words.SPIN_NAP_NS = self.config.spin_warps, self.config.spin_nap_ns
             streams = [torch.cuda.Stream(self.core.device, priority=self.config.gang_priority)
                        for _ in range(self.config.gang_lanes)]
             for stream in streams:

@@ -36,9 +36,12 @@ def _kernels():
         tl.store(page + index, value)
 
     @triton.jit(do_not_specialize=["index", "value"])
-    def wait(page, index, value):
+    def wait(page, index, value, NAP: tl.constexpr):
         word = tl.load(page + index, volatile=True)
         while word < value:
+            if NAP > 0:  # (the next look after NAP ns: fewer reads across PCIe, a later reaction)
+                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r",
+                                          [tl.zeros([32], dtype=tl.int32) + NAP], dtype=tl.int32, is_pure=False, pack=1)
             word = tl.load(page + index, volatile=True)
 
     # (no specialisation on the addresses' alignment or the sizes: the kernels warm() compiles serve every call)
@@ -91,6 +94,9 @@ SPIN_WARPS = 1
 across PCIe (benchmarks/fleet_worker.py --spin-warps). One: S3 at N = 16 gave 1.36x the tokens/s
 of four, with the executor's waits one warp too (session 52, call 1). Set before the first call
 (warm compiles for it)."""
+SPIN_NAP_NS = 0
+"""Nanoseconds `wait` sleeps between its looks at the word (fleet_worker --spin-nap-ns; 0: none).
+Set before the first call."""
 MAX_FUSED_BYTES = 1 << 16  # a call's input or result that one program copies, at most (larger: the four nodes)
 _WARPS = 16  # put's (it does not spin)
 _WORDS_A_THREAD = 8  # int32 words each thread copies at a time (one program: its release needs every thread's copy first)
@@ -139,4 +145,4 @@ def write(page: torch.Tensor, index: int, value: int) -> None:
 
 def wait(page: torch.Tensor, index: int, value: int) -> None:
     """Queues on the current stream a wait until page[index] >= value (int32)."""
-    _kernels()[1][(1,)](page, index, value, num_warps=SPIN_WARPS)
+    _kernels()[1][(1,)](page, index, value, NAP=SPIN_NAP_NS, num_warps=SPIN_WARPS)
