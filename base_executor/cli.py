@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         ids_on_host=args.ids_on_host, max_tenants=args.max_tenants, gang_slots=args.gang_slots,
         gang_wait_us=args.gang_wait_us, gang_lanes=args.gang_lanes, gang_spans=gang_spans,
         gang_priority=args.gang_priority, spin_warps=args.spin_warps, spin_nap_ns=args.spin_nap_ns,
+        device_words=args.device_words,
     )
     model_name = args.model or models.default_model()
     t0 = time.monotonic()
@@ -522,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "round's word waits (each spins on the tenants' words in host memory)")
     s.add_argument("--spin-nap-ns", type=int, default=0, help="same GPU: nanoseconds each gang round's word wait "
                    "sleeps between its looks at the words (0: none)")
+    s.add_argument("--device-words", action="store_true", help="same GPU: a step program's words in the tenant's "
+                   "device region too, where the GPU's waits look at them without crossing PCIe (an experiment)")
     s.add_argument("--gang-lanes", type=int, default=4, help="same GPU: streams a gang's rounds run on at once (while "
                    "all are busy, runs gather into the next round)")
     s.add_argument("--gang-spans", default=None, choices=["eager", "fused"], help="same GPU: how a gang's round "

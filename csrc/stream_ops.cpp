@@ -307,17 +307,19 @@ class ServeLane {
   // Serves calls of `header` from now on: `graph_exec` (a cudaGraphExec_t the caller keeps alive
   // until forget) computes it, `reply` is its CallReply without call_id; `index` names it in counts().
   void learn(const py::bytes& header, uintptr_t graph_exec, const py::bytes& reply, uint32_t index) {
-    entries_[std::string(header)] = Entry{graph_exec, std::string(reply), index, 0, {}, 0, 0};
+    entries_[std::string(header)] = Entry{graph_exec, std::string(reply), index, 0, {}, 0, 0, 0};
   }
 
   // Serves the runs of a step program (base_executor/transports/programs.py) from now on: for each,
   // call k's graph (graph_execs[k - 1]) behind a wait for the program input word to reach k, and
-  // the program output word's write of k after it; the input word is set back to 0 after the last
-  // wait. The caller keeps the graphs alive until forget.
+  // the program output word's write of k after it (and to program_out_also, where non-zero: the
+  // host's word beside a device word); the input word is set back to 0 after the last wait. The
+  // caller keeps the graphs alive until forget.
   void learn_program(const py::bytes& header, const std::vector<uintptr_t>& graph_execs, uintptr_t program_in,
-                     uintptr_t program_out, const py::bytes& reply, uint32_t index) {
+                     uintptr_t program_out, const py::bytes& reply, uint32_t index, uintptr_t program_out_also) {
     if (graph_execs.empty()) throw std::invalid_argument("a step program holds at least one call");
-    entries_[std::string(header)] = Entry{0, std::string(reply), index, 0, graph_execs, program_in, program_out};
+    entries_[std::string(header)] = Entry{0, std::string(reply), index, 0, graph_execs, program_in, program_out,
+                                          program_out_also};
   }
 
   void forget(const py::bytes& header) {
@@ -409,7 +411,7 @@ class ServeLane {
     uint32_t index;
     uint64_t served;
     std::vector<uintptr_t> program;  // a step program's graphs, call by call (graph_exec unused)
-    uintptr_t program_in, program_out;  // its words
+    uintptr_t program_in, program_out, program_out_also;  // its words (program_out_also: 0, or a second output word)
   };
 
   // Queues one run of a step program (learn_program); the failing driver call's name, or nullptr.
@@ -421,6 +423,7 @@ class ServeLane {
       if (k == n && (*rc = d.write_value32(s, e.program_in, 0, 0)) != 0) return "cuStreamWriteValue32";
       if ((*rc = d.graph_launch(reinterpret_cast<void*>(e.program[k - 1]), s)) != 0) return "cuGraphLaunch";
       if ((*rc = d.write_value32(s, e.program_out, k, 0)) != 0) return "cuStreamWriteValue32";
+      if (e.program_out_also && (*rc = d.write_value32(s, e.program_out_also, k, 0)) != 0) return "cuStreamWriteValue32";
     }
     return nullptr;
   }
@@ -476,7 +479,7 @@ PYBIND11_MODULE(_stream_ops, m) {
            py::arg("output_word"), py::arg("device"), py::arg("input_word_offset"))
       .def("learn", &ServeLane::learn, py::arg("header"), py::arg("graph_exec"), py::arg("reply"), py::arg("index"))
       .def("learn_program", &ServeLane::learn_program, py::arg("header"), py::arg("graph_execs"), py::arg("program_in"),
-           py::arg("program_out"), py::arg("reply"), py::arg("index"))
+           py::arg("program_out"), py::arg("reply"), py::arg("index"), py::arg("program_out_also") = 0)
       .def("forget", &ServeLane::forget, py::arg("header"))
       .def("serve", &ServeLane::serve, py::arg("most"))
       .def("take_counts", &ServeLane::take_counts)

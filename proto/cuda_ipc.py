@@ -300,6 +300,12 @@ def _current(device: torch.device):
         lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
+def zero_device(device: torch.device, ptr: int, nbytes: int) -> None:
+    """Sets nbytes of device memory at ptr to 0, synchronously (cuMemsetD8, as a new region's)."""
+    with _current(device):
+        _check(_driver().cuMemsetD8_v2(ptr, 0, nbytes), "cuMemsetD8")
+
+
 class _CudaArray:
     """Exposes a raw device pointer to torch.as_tensor (zero copy)."""
 

@@ -23,6 +23,16 @@ Mailbox layout (offsets in bytes):
     [DATA_OFFSET,         +data_bytes)    tensor bytes; the tenant names in/out offsets per call
 
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
+
+Device words (`serve --device-words`): the last DEVICE_WORDS_BYTES of a same-GPU tenant's device
+region (CudaRegion.words_offset) hold a step program's input and output words again, where a
+GPU's look at them stays in its memory instead of crossing PCIe. The host words stay what
+releases waits (each wait looks at its host word every so often) and what the host reads: the
+tenant's graph writes its input word to both, the executor writes the output word to both.
+
+    [DEVICE_PROGRAM_IN,  +4)             the program input word, in device memory
+    [DEVICE_PROGRAM_OUT, +4)             the program output word, in device memory
+    [DEVICE_SCRATCH,     +4)             the tenant's word kernels are warmed up on it
 """
 from __future__ import annotations
 
@@ -54,6 +64,8 @@ INPUT_WORD_IN_PAGE = INPUT_WORD_OFFSET - WORDS_PAGE[0]
 OUTPUT_WORD_IN_PAGE = OUTPUT_WORD_OFFSET - WORDS_PAGE[0]
 PROGRAM_IN_IN_PAGE = PROGRAM_IN_OFFSET - WORDS_PAGE[0]
 PROGRAM_OUT_IN_PAGE = PROGRAM_OUT_OFFSET - WORDS_PAGE[0]
+DEVICE_WORDS_BYTES = 512  # at the end of a device region with device words (a 128-byte line each)
+DEVICE_PROGRAM_IN, DEVICE_PROGRAM_OUT, DEVICE_SCRATCH = 0, 128, 256
 RELEASED = 0x7FFFFFFF  # a program word set to this lets every wait of a run pass (calls are numbered from 1)
 DATA_OFFSET = REPLY_BELL_OFFSET + 4096
 WAKE_BYTES = 4096

@@ -90,3 +90,52 @@ def test_a_rounds_word_kernels_wait_write_gather_and_scatter():
     gang_words.scatter(-batch, table, 2, seqs)
     assert rows[0].tolist() == (-before[0]).tolist() and rows[2].tolist() == (-before[2]).tolist()
     assert torch.equal(rows[1], before[1])
+
+
+def test_word_kernels_with_device_words_pass_on_the_host_words_release():
+    """serve --device-words (proto/mailbox.py DEVICE_WORDS): a round writes a device word and the
+    host's beside it; its wait looks at the device word, and at the host's every ALSO_EVERY turns,
+    so a release written to the host's word (0x7FFFFFFF) lets it pass while the device word is short
+    (Triton's interpreter: a wait that never passed would not return)."""
+    from symbiont.base_executor.kernels import gang_words
+    from symbiont.proto.mailbox import RELEASED
+
+    slots = 2
+    device, host = torch.zeros(slots, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32)
+    table = torch.tensor([[device[s:].data_ptr(), host[s:].data_ptr()] for s in range(slots)])
+    seqs = torch.tensor([3, 4], dtype=torch.int32)
+    gang_words.write(table, 0, seqs, 6, also=1)
+    assert device.tolist() == [6, 6] and host.tolist() == [6, 6]
+    gang_words.wait(table, 0, seqs, 6, also=1)  # (reached on the device)
+    device.zero_()
+    host.fill_(RELEASED)
+    gang_words.wait(table, 0, seqs, 7, also=1)  # (released on the host: passes at a look there)
+    device[0], host[0] = 9, 0
+    gang_words.wait(table, 0, seqs, 7, also=1)  # (one slot reached on the device, the other released)
+    gang_words.write(table, 0, seqs, from_seq=True, also=1)
+    assert device.tolist() == [3, 4] and host.tolist() == [3, 4]
+
+
+def test_a_tenants_word_kernels_with_a_device_word():
+    """client/transports/graph_words.py with a device word (serve --device-words): write stores it
+    and the host's; wait and take pass once the device word is reached, or the host's word released
+    (looked at every HOST_LOOK_EVERY turns); put copies, then stores both."""
+    from symbiont.client.transports import graph_words
+    from symbiont.proto.mailbox import RELEASED
+
+    page, dev = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    graph_words.write(page, 2, 5, (dev, 3))
+    assert page[2] == 5 and dev[3] == 5 and page.count_nonzero() == 1 and dev.count_nonzero() == 1
+    graph_words.wait(page, 2, 5, (dev, 3))
+    dev[3] = 0
+    page[2] = RELEASED
+    graph_words.wait(page, 2, 6, (dev, 3))  # (released on the host's word)
+    src, dst, back = torch.arange(10, dtype=torch.int32), torch.zeros(10, dtype=torch.int32), torch.zeros(10, dtype=torch.int32)
+    page.zero_()
+    graph_words.put(page, 2, 7, dst, src, (dev, 3))
+    assert torch.equal(dst, src) and page[2] == 7 and dev[3] == 7
+    page[2] = 0
+    graph_words.take(page, 2, 7, back, dst, (dev, 3))  # (the device word reached)
+    assert torch.equal(back, src)
+    dev[3], page[2] = 0, RELEASED
+    graph_words.take(page, 2, 8, back, dst, (dev, 3))  # (released on the host's word)

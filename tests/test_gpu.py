@@ -958,7 +958,7 @@ def test_decoding_tenants_meet_in_gpu_side_batches(tmp_path):
 
 
 @pytest.mark.parametrize("spans, mode", [("eager", "steps"), ("fused", "steps"), ("fused", "csteps"), ("fused-high", "steps"),
-                                         ("fused-spin4", "steps")])
+                                         ("fused-spin4", "steps"), ("fused-device-words", "steps")])
 def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     """Four same-GPU tenant processes decode at once with their steps replayed as CUDA graphs
     (step programs): the executor runs their programs' calls together in gangs (one GEMM per call
@@ -968,9 +968,11 @@ def test_step_programs_of_four_tenants_run_in_gangs(tmp_path, spans, mode):
     tenant's layer's ops, and fused (serve --gang-spans fused: runner.span_fused); and with the
     tenants' steps compiled (step_graphs="compiled"); and with the gangs' lanes at the highest stream
     priority (serve --gang-priority); and with every word wait four warps (serve --spin-warps,
-    graph_words.SPIN_WARPS; one by default)."""
+    graph_words.SPIN_WARPS; one by default); and with the program words in the tenants' device
+    regions (serve --device-words: the lone runs' native lane writes both output words)."""
     flags = {"fused-high": ("--gang-spans", "fused", "--gang-priority", "-5"),
-             "fused-spin4": ("--gang-spans", "fused", "--spin-warps", "4")}.get(spans, ("--gang-spans", spans))
+             "fused-spin4": ("--gang-spans", "fused", "--spin-warps", "4"),
+             "fused-device-words": ("--gang-spans", "fused", "--device-words")}.get(spans, ("--gang-spans", spans))
     extra = ("--spin-warps", "4") if spans == "fused-spin4" else ()
     with running_executor("tiny-llama", "--device", "cuda:0", *flags) as ex:
         solo, together, before, stats = _alone_then_together(tmp_path, ex.url, mode, extra=extra)

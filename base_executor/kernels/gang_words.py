@@ -10,8 +10,10 @@ input_seq; 0: the slot sits the round out). Every kernel reads both when it runs
   reaches `value`, or the slot's own seq with `from_seq` (cyclic, as the driver's
   cuStreamWaitValue32 GEQ: word - value >= 0 as int32), loading again only the words still
   short. The words are mailbox words, page-locked host memory mapped for our GPU (released with
-  0x7FFFFFFF).
-- write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col`.
+  0x7FFFFFFF), or with `serve --device-words` a program's words in the tenant's device region,
+  whose host words (column `also`) a wait looks at every ALSO_EVERY turns: they release.
+- write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col` (and
+  at column `also`).
 - gather: copies each taking-part slot's row (n int32 words at the address in column `col`) into
   row `slot` of a contiguous batch; scatter copies a batch's rows back out.
 Triton is imported at the first use; `warm` compiles every kernel outside a capture.
@@ -29,6 +31,7 @@ SPIN_WARPS = 1
 """Warps of a wait's one program (`serve --spin-warps`): each spins on the words, which are host
 memory its loads read across PCIe. One: S3 at N = 16 gave 1,893.7 tokens/s with one-warp waits on
 both sides against 1,393.2 with four (session 52, call 1). Set before `warm`."""
+ALSO_EVERY = 64  # a wait on device words looks at their host words once in this many turns
 SPIN_NAP_NS = 0
 """Nanoseconds a wait sleeps between its looks at the words (`serve --spin-nap-ns`; 0: none, it
 looks again at once). Set before `warm`."""
@@ -39,8 +42,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
-    def wait(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr, NAP: tl.constexpr):
+    @triton.jit(do_not_specialize=["width", "col", "also", "value", "slots"])
+    def wait(table, width, col, also, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr, NAP: tl.constexpr,
+             ALSO: tl.constexpr, EVERY: tl.constexpr):
         i = tl.arange(0, BLOCK)
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
@@ -53,15 +57,23 @@ def _kernels():
         # (a word that reached its target stays there until the round itself resets it: only the
         # words still short are loaded again, so each turn reads fewer words across PCIe)
         short = on & ((word - target) < 0)
+        turn = 0
         while tl.sum(short.to(tl.int32), axis=0) > 0:
             if NAP > 0:  # (the next look after NAP ns: fewer reads across PCIe, a later reaction)
                 tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [seq * 0 + NAP], dtype=tl.int32,
                                           is_pure=False, pack=1)
             word = tl.load(words, mask=short, other=0, volatile=True)
+            if ALSO:  # (device words: every EVERY turns a look at the host's word too, which releases)
+                turn += 1
+                if turn % EVERY == 0:
+                    hosts = tl.load(table + i * width + also, mask=short, other=0).to(tl.pointer_type(tl.int32))
+                    host = tl.load(hosts, mask=short, other=0, volatile=True)
+                    word = tl.where((host - target) >= 0, target, word)
             short = short & ((word - target) < 0)
 
-    @triton.jit(do_not_specialize=["width", "col", "value", "slots"])
-    def write(table, width, col, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr):
+    @triton.jit(do_not_specialize=["width", "col", "also", "value", "slots"])
+    def write(table, width, col, also, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr,
+              ALSO: tl.constexpr):
         i = tl.arange(0, BLOCK)
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
@@ -70,6 +82,12 @@ def _kernels():
             tl.store(words, seq, mask=on)
         else:
             tl.store(words, seq * 0 + value, mask=on)
+        if ALSO:  # (the host's word of a device word: the same value)
+            hosts = tl.load(table + i * width + also, mask=on, other=0).to(tl.pointer_type(tl.int32))
+            if FROM_SEQ:
+                tl.store(hosts, seq, mask=on)
+            else:
+                tl.store(hosts, seq * 0 + value, mask=on)
 
     @triton.jit(do_not_specialize=["width", "col", "n"])
     def copy_rows(table, width, col, seqs, batch, n, BLOCK: tl.constexpr, GATHER: tl.constexpr):
@@ -90,17 +108,23 @@ def _block(slots: int) -> int:
     return max(16, 1 << (slots - 1).bit_length())
 
 
-def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:
-    """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with seqs[s] != 0."""
+def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False,
+         also: int | None = None) -> None:
+    """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with
+    seqs[s] != 0; with `also`, a word passes too once table[s, also]'s does (looked at every
+    ALSO_EVERY turns: the host's word beside a device word)."""
     slots = seqs.shape[0]
-    _kernels()[0][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq,
-                        NAP=SPIN_NAP_NS, num_warps=SPIN_WARPS)
+    _kernels()[0][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots, BLOCK=_block(slots),
+                        FROM_SEQ=from_seq, NAP=SPIN_NAP_NS, ALSO=also is not None, EVERY=ALSO_EVERY, num_warps=SPIN_WARPS)
 
 
-def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False) -> None:
-    """Queues on the current stream: table[s, col]'s word = value (or seqs[s]) for every s with seqs[s] != 0."""
+def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False,
+          also: int | None = None) -> None:
+    """Queues on the current stream: table[s, col]'s word (and table[s, also]'s) = value (or seqs[s])
+    for every s with seqs[s] != 0."""
     slots = seqs.shape[0]
-    _kernels()[1][(1,)](table, table.shape[1], col, seqs, value, slots, BLOCK=_block(slots), FROM_SEQ=from_seq)
+    _kernels()[1][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots,
+                        BLOCK=_block(slots), FROM_SEQ=from_seq, ALSO=also is not None)
 
 
 def _copy_rows(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor, gather: bool) -> None:
@@ -131,7 +155,8 @@ def warm(device: torch.device, slots: int) -> None:
     seqs = torch.zeros(slots, dtype=torch.int32, device=device)
     batch = torch.zeros(slots, dtype=torch.int32, device=device)
     for from_seq in (False, True):
-        wait(table, 0, seqs, 1, from_seq)
-        write(table, 0, seqs, 1, from_seq)
+        for also in (None, 0):
+            wait(table, 0, seqs, 1, from_seq, also)
+            write(table, 0, seqs, 1, from_seq, also)
     gather(table, 0, seqs, batch)
     scatter(batch, table, 0, seqs)

@@ -47,6 +47,7 @@ class Areas:
     gpu: "object | None" = None  # proto.cuda_ipc.DeviceRegion: the data area of a tenant on our GPU
     words: int = 0  # device address of the mailbox's input word, 0 when our GPU cannot wait on it
     out_word: int = 0  # device address of the mailbox's output word (set with `words`)
+    device_words: int = 0  # device address of the device region's words (proto/mailbox.py DEVICE_WORDS), 0: none
     stream: "torch.cuda.ExternalStream | None" = None  # runs this tenant's calls whose input is not in yet
     awaiting: int = 0  # the input_seq queued on `stream` (or before `waited`) to wait for (0: none)
     waited: "torch.cuda.Event | None" = None  # recorded after a batch on another stream that waits for `awaiting`; None: `stream` waits
@@ -75,7 +76,20 @@ class Areas:
 
     @property
     def data_bytes(self) -> int:
-        return self.gpu.nbytes if self.gpu is not None else self.box.data_bytes
+        """The tensor bytes (a device region's words after them are not among them)."""
+        if self.gpu is None:
+            return self.box.data_bytes
+        return self.gpu.nbytes - (mailbox.DEVICE_WORDS_BYTES if self.device_words else 0)
+
+    def program_words(self) -> tuple[int, int, int, int]:
+        """Our GPU's addresses of a step program's words: (input word its graphs' waits look at,
+        output word they write, input word, output word in the host's page). Without device words
+        the first two are the host's."""
+        p_in, p_out = mailbox.program_words(self.words)
+        if not self.device_words:
+            return p_in, p_out, p_in, p_out
+        return (self.device_words + mailbox.DEVICE_PROGRAM_IN, self.device_words + mailbox.DEVICE_PROGRAM_OUT,
+                p_in, p_out)
 
     @property
     def total_bytes(self) -> int:
@@ -138,9 +152,10 @@ class Tenant:
 
 
 class AreaPool:
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, device_words: bool = False):
         self.name = name
         self.device = device
+        self.device_words = device_words  # same-GPU tenants' program words in their device regions too
         self._lock = threading.Lock()  # attach and grow come on the control thread
         self._retired: list[tuple[Areas, Owner]] = []  # released by the data loop
         self._parked: dict[Owner, list] = {}  # device regions their owner may still map
@@ -152,8 +167,14 @@ class AreaPool:
         areas = Areas(fd, mailbox.Mailbox(mem, host_bytes))
         try:
             if on_gpu:
-                areas.gpu = self._region(owner, data_bytes)
+                extra = mailbox.DEVICE_WORDS_BYTES if self.device_words else 0
+                areas.gpu = self._region(owner, data_bytes + extra)
                 self._map_words(areas)
+                if extra and areas.words:  # (zero: a parked region's words hold its last mailbox's numbers)
+                    from symbiont.proto.cuda_ipc import zero_device
+
+                    areas.device_words = areas.gpu.ptr + areas.gpu.nbytes - extra
+                    zero_device(self.device, areas.device_words, extra)
             elif self.device.type == "cuda" and host_bytes:
                 from symbiont.proto.cuda_ipc import pin_host
 

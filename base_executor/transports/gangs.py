@@ -37,11 +37,13 @@ from symbiont.base_executor.catalog import SPAN
 from symbiont.base_executor.graphs import capture
 from symbiont.base_executor.kernels import gang_words
 from symbiont.proto import executor_pb2 as pb
-from symbiont.proto import mailbox
 from symbiont.proto.codec import int32_words
 from symbiont.proto.cuda_ipc import stream_write
 
-IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD = range(4)  # a slot's columns of words; then x and out rows per call
+# a slot's columns of words (PROGRAM_IN and PROGRAM_OUT in its device region with serve --device-words,
+# the host's beside them; else the host's in both), then x and out rows per call
+IN_WORD, PROGRAM_IN, PROGRAM_OUT, OUT_WORD, PROGRAM_IN_HOST, PROGRAM_OUT_HOST = range(6)
+WORDS = 6
 MAX_ROW_BYTES = 1 << 20  # a call's input or output row of one tenant that a gang copies, at most
 ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # hosted adapters' dtypes gangs compute (gang_lora)
 
@@ -162,8 +164,10 @@ class Gang:
     `setup`: a stream no round runs on, where the table is written (each lane's stream waits for
     the writes: no round reads a slot's row before it is in)."""
 
-    def __init__(self, key: tuple, calls: list, slots: int, streams: list, setup: torch.cuda.Stream, device: torch.device):
+    def __init__(self, key: tuple, calls: list, slots: int, streams: list, setup: torch.cuda.Stream, device: torch.device,
+                 device_words: bool = False):
         self.key = key
+        self.device_words = device_words  # its members' program words are in their device regions (host ones beside)
         # a member's calls, the units and shapes the graphs are captured for (without their adapters:
         # a slot's adapter tensors are kept only while its rounds may read them)
         self.calls = [dataclasses.replace(c, adapter=None) for c in calls]
@@ -175,7 +179,7 @@ class Gang:
         self.parts = [list(call_key[-1]) for call_key in key]  # each call's hosted adapter deltas (gang_key's last field)
         n_parts = sum(map(len, self.parts))
         with torch.cuda.stream(setup):
-            self.table = torch.zeros((slots, 4 + 2 * len(calls)), dtype=torch.int64, device=device)
+            self.table = torch.zeros((slots, WORDS + 2 * len(calls)), dtype=torch.int64, device=device)
             # each slot's adapter at each part (kernels/gang_lora.py); rank 0 until a member's is written
             self.adapters = torch.zeros((slots, max(1, n_parts) * gang_lora.FIELDS), dtype=torch.int64, device=device)
         self._kept: dict[int, list] = {}  # slot -> its member's adapter deltas (their tensors the table points at)
@@ -214,10 +218,11 @@ class Gang:
                     return s
         return None
 
-    def join(self, slot: int, program, words: int, out_word: int) -> None:
-        """Gives `slot` to a program of a tenant whose mailbox input word is at `words`."""
-        p_in, p_out = mailbox.program_words(words)
-        row = [words, p_in, p_out, out_word] + [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
+    def join(self, slot: int, program, words: int, out_word: int, program_words: tuple) -> None:
+        """Gives `slot` to a program of a tenant whose mailbox input word is at `words`, its program
+        words at `program_words` (Areas.program_words)."""
+        row = [words, program_words[0], program_words[1], out_word, program_words[2], program_words[3]]
+        row += [c.x.data_ptr() for c in program.calls] + [c.out.data_ptr() for c in program.calls]
         from symbiont.base_executor.kernels import gang_lora
 
         values = torch.tensor(row, dtype=torch.int64).pin_memory()
@@ -291,13 +296,15 @@ class Gang:
                     col += len(parts) * gang_lora.FIELDS
         lane.batches = batches
 
+        p_in_host, p_out_host = (PROGRAM_IN_HOST, PROGRAM_OUT_HOST) if self.device_words else (None, None)
+
         def round_() -> None:
             gang_words.wait(table, IN_WORD, seqs, from_seq=True)  # (the run's place among the tenant's calls)
             for k, (c, (x, y), deltas) in enumerate(zip(self.calls, batches, hosted), 1):
-                gang_words.wait(table, PROGRAM_IN, seqs, k)
+                gang_words.wait(table, PROGRAM_IN, seqs, k, also=p_in_host)
                 if k == n:  # (the next run's first wait must not pass on this run's last number)
-                    gang_words.write(table, PROGRAM_IN, seqs, 0)
-                gang_words.gather(table, 4 + k - 1, seqs, x)
+                    gang_words.write(table, PROGRAM_IN, seqs, 0, also=p_in_host)
+                gang_words.gather(table, WORDS + k - 1, seqs, x)
                 if c.unit.kind == SPAN and c.op == pb.FORWARD:  # (its deltas inside: runner's span_deltas)
                     if fused_spans:
                         runner.span_fused(c.unit, x, exact, y, deltas)
@@ -307,8 +314,8 @@ class Gang:
                     runner.run(c.unit, c.op, x, exact, y)
                     if deltas is not None:
                         deltas.add("y", x, y)
-                gang_words.scatter(y, table, 4 + n + k - 1, seqs)
-                gang_words.write(table, PROGRAM_OUT, seqs, k)
+                gang_words.scatter(y, table, WORDS + n + k - 1, seqs)
+                gang_words.write(table, PROGRAM_OUT, seqs, k, also=p_out_host)
             gang_words.write(table, OUT_WORD, seqs, from_seq=True)
 
         round_()

@@ -118,6 +118,10 @@ class LocalServerConfig:
     spin_warps: int = 1
     """Warps of each gang round's word waits (kernels/gang_words.py SPIN_WARPS): fewer spin with
     fewer loads of host memory (one: 1.36x the tokens/s of four at S3 N = 16, session 52)."""
+    device_words: bool = False
+    """Same-GPU tenants' step program words in their device regions too (proto/mailbox.py
+    DEVICE_WORDS): the GPU's waits on them look at device memory, not across PCIe, and at the host
+    words every so often for a release (not measured yet)."""
     spin_nap_ns: int = 0
     """Nanoseconds each gang round's word wait sleeps between its looks (kernels/gang_words.py
     SPIN_NAP_NS; 0: none)."""
@@ -160,7 +164,7 @@ class LocalServer(LocalControl, LocalCalls, LocalPrograms, RemoteTenants):
         self._init_remote()  # tenants of other transports (gRPC), served by the same data loop
         # detached tenants' and outgrown data areas are released by the data loop between
         # batches (never under a running batch; the scheduler is only ever touched by that thread)
-        self.areas = AreaPool(config.name, core.device)
+        self.areas = AreaPool(config.name, core.device, device_words=config.device_words and core.device.type == "cuda")
         self._stream = None  # the data loop's CUDA stream, on a GPU executor
         self._capture_stream = None  # where graphs of calls on it are captured (base_executor/graphs.py)
         self._gang_streams: list = []  # gangs.LaneStream: where gangs' rounds run (transports/gangs.py), on a GPU executor

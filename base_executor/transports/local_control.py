@@ -337,7 +337,8 @@ def _cuda_region(areas: Areas) -> pb.CudaRegion | None:
     mem, inp, out = gpu.handles()
     words = bool(areas.words)
     return pb.CudaRegion(
-        mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out, input_word=words, output_word=words
+        mem_handle=mem, size=gpu.nbytes, input_ready=inp, output_ready=out, input_word=words, output_word=words,
+        words_offset=areas.device_words - gpu.ptr if areas.device_words else 0,
     )
 
 

@@ -30,7 +30,6 @@ from symbiont.base_executor.core import CallError
 from symbiont.base_executor.transports.areas import Tenant
 from symbiont.base_executor.transports.call_paths import GANG, PROGRAM
 from symbiont.base_executor.transports.gangs import Gang, LaneStream, gang_key
-from symbiont.proto import mailbox
 from symbiont.proto.cuda_ipc import reached, stream_wait, stream_write
 from symbiont.proto import executor_pb2 as pb
 
@@ -227,7 +226,9 @@ class LocalPrograms:
             return
         stream = areas.stream
         s = stream.cuda_stream
-        p_in, p_out = mailbox.program_words(areas.words)
+        # (the driver's waits are on the host's input word, which the tenant's graph writes too; the
+        # output word is written where its graph waits, and to the host's, which the host reads)
+        _, p_out, p_in, p_out_host = areas.program_words()
         self._gpu_wait(t, stream, req.input_seq)
         torch.cuda.set_stream(stream)
         try:
@@ -237,6 +238,8 @@ class LocalPrograms:
                     stream_write(s, p_in, 0)  # (the next run's first wait must not pass on this run's last number)
                 graph.replay()
                 stream_write(s, p_out, k)
+                if p_out_host != p_out:
+                    stream_write(s, p_out_host, k)
         finally:
             torch.cuda.set_stream(self._stream)
         stream_write(s, areas.out_word, req.input_seq)
@@ -257,7 +260,8 @@ class LocalPrograms:
                 reply.ClearField("call_id")
                 try:
                     lane.learn_program(header, [int(g.raw_cuda_graph_exec()) for g in prog.graphs],
-                                       p_in, p_out, reply.SerializeToString(), len(areas.lane_units))
+                                       p_in, p_out, reply.SerializeToString(), len(areas.lane_units),
+                                       p_out_host if p_out_host != p_out else 0)
                 except Exception as e:  # (its runs are served from Python, as every call's are then)
                     self._native_failed = True
                     log.warning("native serving off: teaching a lane a step program failed (%s: %s)", type(e).__name__, e)
@@ -303,10 +307,12 @@ class LocalPrograms:
                 gang = g
                 break
         if gang is None:
-            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self._gang_setup, self.core.device)
+            gang = Gang(key, prog.calls, self.config.gang_slots, self._gang_streams, self._gang_setup, self.core.device,
+                        device_words=self.areas.device_words)
             self._gangs.append(gang)
             slot = 0
-        gang.join(slot, prog, prog.tenant.areas.words, prog.tenant.areas.out_word)
+        areas = prog.tenant.areas
+        gang.join(slot, prog, areas.words, areas.out_word, areas.program_words())
         if len(gang.tenants()) > 1:
             for member in gang.members.values():
                 if member.header and member.tenant.areas.lane is not None:

@@ -31,43 +31,76 @@ def _kernels():
     import triton.language as tl
 
     # (no specialisation on the values: one compiled kernel serves every call's number)
-    @triton.jit(do_not_specialize=["index", "value"])
-    def write(page, index, value):
+    @triton.jit(do_not_specialize=["index", "value", "dindex"])
+    def write(page, index, value, dev, dindex, DEV: tl.constexpr):
+        if DEV:  # (the device word first: the executor's GPU looks there)
+            tl.store(dev + dindex, value)
         tl.store(page + index, value)
 
-    @triton.jit(do_not_specialize=["index", "value"])
-    def wait(page, index, value, NAP: tl.constexpr):
-        word = tl.load(page + index, volatile=True)
+    # (a wait's looks, written out in wait and take: a jit function defined here, in a closure, is
+    # not one every Triton version calls) With DEV the word looked at is the device word, and every
+    # EVERY turns the host's beside it (a release); NAP ns between looks.
+    @triton.jit(do_not_specialize=["index", "value", "dindex"])
+    def wait(page, index, value, dev, dindex, NAP: tl.constexpr, DEV: tl.constexpr, EVERY: tl.constexpr):
+        if DEV:
+            at = dev + dindex
+        else:
+            at = page + index
+        word = tl.load(at, volatile=True)
+        turn = 0
         while word < value:
-            if NAP > 0:  # (the next look after NAP ns: fewer reads across PCIe, a later reaction)
+            if NAP > 0:
                 tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r",
                                           [tl.zeros([32], dtype=tl.int32) + NAP], dtype=tl.int32, is_pure=False, pack=1)
-            word = tl.load(page + index, volatile=True)
+            word = tl.load(at, volatile=True)
+            if DEV:
+                turn += 1
+                if turn % EVERY == 0:
+                    word = tl.maximum(word, tl.load(page + index, volatile=True))
 
     # (no specialisation on the addresses' alignment or the sizes: the kernels warm() compiles serve every call)
-    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n"],
-                do_not_specialize_on_alignment=["page", "dst", "src"])
-    def put(page, index, value, dst, src, n, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr):
+    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n", "dev", "dindex"],
+                do_not_specialize_on_alignment=["page", "dst", "src", "dev"])
+    def put(page, index, value, dst, src, n, dev, dindex, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr,
+            DEV: tl.constexpr):
         i = tl.arange(0, BLOCK)
         for at in range(0, n, BLOCK):
             m = at + i < n
             tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
-        tl.debug_barrier()  # (every thread's copy, then one thread's release of the word)
+        tl.debug_barrier()  # (every thread's copy, then one thread's release of the word: the device word first)
         if ASM:
-            word = page + index + tl.zeros([THREADS], dtype=tl.int32)
+            if DEV:
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
+                    "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
+                    "=r,l,r", [dev + dindex + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
+                    dtype=tl.int32, is_pure=False, pack=1)
             tl.inline_asm_elementwise(
                 "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
                 "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [word, value + tl.zeros([THREADS], dtype=tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+                "=r,l,r", [page + index + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
         else:
+            if DEV:
+                tl.store(dev + dindex, value)
             tl.store(page + index, value)
 
-    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n"],
-                do_not_specialize_on_alignment=["page", "dst", "src"])
-    def take(page, index, value, dst, src, n, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr):
-        word = tl.load(page + index, volatile=True)
+    @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n", "dev", "dindex"],
+                do_not_specialize_on_alignment=["page", "dst", "src", "dev"])
+    def take(page, index, value, dst, src, n, dev, dindex, BLOCK: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr,
+             DEV: tl.constexpr, EVERY: tl.constexpr):
+        if DEV:  # (the looks as wait's)
+            at = dev + dindex
+        else:
+            at = page + index
+        word = tl.load(at, volatile=True)
+        turn = 0
         while word < value:
-            word = tl.load(page + index, volatile=True)
+            word = tl.load(at, volatile=True)
+            if DEV:
+                turn += 1
+                if turn % EVERY == 0:
+                    word = tl.maximum(word, tl.load(page + index, volatile=True))
         if ASM:  # (a relaxed load that saw the value, then a fence: each thread's acquire)
             tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.zeros([THREADS], dtype=tl.int32)],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -97,37 +130,45 @@ of four, with the executor's waits one warp too (session 52, call 1). Set before
 SPIN_NAP_NS = 0
 """Nanoseconds `wait` sleeps between its looks at the word (fleet_worker --spin-nap-ns; 0: none).
 Set before the first call."""
+HOST_LOOK_EVERY = 64  # a wait on a device word looks at the host's word beside it once in this many turns
 MAX_FUSED_BYTES = 1 << 16  # a call's input or result that one program copies, at most (larger: the four nodes)
 _WARPS = 16  # put's (it does not spin)
 _WORDS_A_THREAD = 8  # int32 words each thread copies at a time (one program: its release needs every thread's copy first)
 
 
-def warm(page: torch.Tensor, index: int) -> None:
+def warm(page: torch.Tensor, index: int, dev: tuple | None = None) -> None:
     """Compiles and loads the kernels outside a capture (which may not load a module): writes 0
     to page[index] and waits for it, on the current stream (with FUSED_HANDOVER: through put and
-    take too, copying one word of the page onto itself)."""
-    write(page, index, 0)
-    wait(page, index, 0)
-    if FUSED_HANDOVER:
-        one = page[index:index + 1]
-        put(page, index, 0, one, one)
-        take(page, index, 0, one, one)
+    take too, copying one word of the page onto itself); with `dev` (a device word: (tensor,
+    index)), the kernels that write and look at it too."""
+    for d in (None, dev) if dev is not None else (None,):
+        write(page, index, 0, d)
+        wait(page, index, 0, d)
+        if FUSED_HANDOVER:
+            one = page[index:index + 1]
+            put(page, index, 0, one, one, d)
+            take(page, index, 0, one, one, d)
 
 
-def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value,
-    released to the system (the executor's GPU wait sees the word only after the data)."""
+def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor, dev: tuple | None = None) -> None:
+    """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value
+    (and the device word `dev`, (tensor, index), first), released to the system (the executor's GPU
+    wait sees the word only after the data)."""
     kernels = _kernels()
-    kernels[2][(1,)](page, index, value, dst, src, src.numel(), BLOCK=32 * _WARPS * _WORDS_A_THREAD,
-                     THREADS=32 * _WARPS, ASM=kernels[4], num_warps=_WARPS)
+    d, di = dev if dev is not None else (page, index)
+    kernels[2][(1,)](page, index, value, dst, src, src.numel(), d, di, BLOCK=32 * _WARPS * _WORDS_A_THREAD,
+                     THREADS=32 * _WARPS, ASM=kernels[4], DEV=dev is not None, num_warps=_WARPS)
 
 
-def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Queues on the current stream: a wait until page[index] >= value (SPIN_WARPS warps spinning),
-    then dst = src (int32 words)."""
+def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor, dev: tuple | None = None) -> None:
+    """Queues on the current stream: a wait until page[index] >= value (SPIN_WARPS warps spinning;
+    with `dev`, the device word, and page[index] every HOST_LOOK_EVERY turns), then dst = src
+    (int32 words)."""
     kernels = _kernels()
-    kernels[3][(1,)](page, index, value, dst, src, src.numel(), BLOCK=32 * SPIN_WARPS * _WORDS_A_THREAD,
-                     THREADS=32 * SPIN_WARPS, ASM=kernels[4], num_warps=SPIN_WARPS)
+    d, di = dev if dev is not None else (page, index)
+    kernels[3][(1,)](page, index, value, dst, src, src.numel(), d, di, BLOCK=32 * SPIN_WARPS * _WORDS_A_THREAD,
+                     THREADS=32 * SPIN_WARPS, ASM=kernels[4], DEV=dev is not None, EVERY=HOST_LOOK_EVERY,
+                     num_warps=SPIN_WARPS)
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
@@ -138,11 +179,17 @@ def words(t: torch.Tensor) -> torch.Tensor | None:
     return int32_words(t, MAX_FUSED_BYTES)
 
 
-def write(page: torch.Tensor, index: int, value: int) -> None:
-    """Queues on the current stream: page[index] = value (int32)."""
-    _kernels()[0][(1,)](page, index, value)
+def write(page: torch.Tensor, index: int, value: int, dev: tuple | None = None) -> None:
+    """Queues on the current stream: page[index] = value (int32), and the device word `dev`
+    ((tensor, index)) first."""
+    d, di = dev if dev is not None else (page, index)
+    _kernels()[0][(1,)](page, index, value, d, di, DEV=dev is not None)
 
 
-def wait(page: torch.Tensor, index: int, value: int) -> None:
-    """Queues on the current stream a wait until page[index] >= value (int32)."""
-    _kernels()[1][(1,)](page, index, value, NAP=SPIN_NAP_NS, num_warps=SPIN_WARPS)
+def wait(page: torch.Tensor, index: int, value: int, dev: tuple | None = None) -> None:
+    """Queues on the current stream a wait until page[index] >= value (int32); with `dev`
+    ((tensor, index)), until the device word does, or page[index] at a look every
+    HOST_LOOK_EVERY turns (a release)."""
+    d, di = dev if dev is not None else (page, index)
+    _kernels()[1][(1,)](page, index, value, d, di, NAP=SPIN_NAP_NS, DEV=dev is not None, EVERY=HOST_LOOK_EVERY,
+                        num_warps=SPIN_WARPS)

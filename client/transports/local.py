@@ -142,6 +142,8 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
             order = StreamOrder(region, self.device if own else region.device)
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
+                if c.words_offset and order.words:  # (serve --device-words: step programs' words there too)
+                    order.device_words = region.ptr + c.words_offset
         self._box, self._order = box, order
         self._plans, self._failures, self._program_headers = {}, 0, {}
         self._programs_broken = False  # (a new mailbox's program words start at 0)

@@ -5,12 +5,14 @@ says how the executor runs them; docs/gpu.md, "Step programs").
 
 While a capture records (begin_program .. end_program), a call makes no request: it queues, on the
 capturing stream, the copy of its input into the mailbox, the write of its number (1, 2, ...) to
-the mailbox's program input word and a wait for the program output word to reach it (one-thread
+the mailbox's program input word and a wait for the program output word to reach it (one-program
 kernels: client/transports/graph_words.py), then the copy of its result out; its request's header
 is kept in order. end_program queues the output word's reset to 0 (the next replay counts from 1
-again). A run (run_program) is one call whose request
-names the program: our stream writes its input_seq to the mailbox's input word, the step's graph
-is replayed, and our stream waits for the output word, as for any call; its reply is taken later.
+again). With device words (serve --device-words) each program word is written to the device
+region's one too, and the waits look there first (docs/gpu.md, "Device words"). A run
+(run_program) is one call whose request names the program: our stream writes its input_seq to
+the mailbox's input word, the step's graph is replayed, and our stream waits for the output word,
+as for any call; its reply is taken later.
 A mixin of LocalTransport (client/transports/local.py), which owns the mailbox and the replies.
 """
 from __future__ import annotations
@@ -57,7 +59,7 @@ class LocalPrograms:
             if not self.programs_possible():
                 raise InvalidCallError(f"{self.url}: this tenant's calls cannot be recorded into a step program")
             self._confirm()
-            graph_words.warm(self._words_page(), SCRATCH_WORD)
+            graph_words.warm(self._words_page(), SCRATCH_WORD, self._device_word(mailbox.DEVICE_SCRATCH))
             self._recording, self._recording_box, self._recorder = [], self._box, threading.get_ident()
 
     def end_program(self) -> list[bytes]:
@@ -66,7 +68,8 @@ class LocalPrograms:
         with self._lock:
             calls, self._recording = self._recording, None
             if calls:
-                graph_words.write(self._words_page(), mailbox.PROGRAM_OUT_IN_PAGE // 4, 0)
+                graph_words.write(self._words_page(), mailbox.PROGRAM_OUT_IN_PAGE // 4, 0,
+                                  self._device_word(mailbox.DEVICE_PROGRAM_OUT))
             return calls
 
     def abort_program(self) -> None:
@@ -127,6 +130,8 @@ class LocalPrograms:
         # run must not pass on the numbers of an earlier run it refused (its previous run's are past:
         # our stream waited for that run's output word)
         stream_write(stream, self._program_words()[0], 0)
+        if order.device_words:  # (serve --device-words: the word the executor's GPU looks at first)
+            stream_write(stream, order.device_words + mailbox.DEVICE_PROGRAM_IN, 0)
         try:
             rc = lane.send(0, 0, stream, header, call_id, seq, False)
         except BaseException:  # (the input word failed, or an interrupt as it returned)
@@ -176,22 +181,33 @@ class LocalPrograms:
         stream = self._order.current_stream()
         k = len(self._recording) + 1
         page = self._words_page()
+        dev_in, dev_out = self._device_word(mailbox.DEVICE_PROGRAM_IN), self._device_word(mailbox.DEVICE_PROGRAM_OUT)
         self._recording.append(plan.header)
         if graph_words.FUSED_HANDOVER and take is None:  # (two kernels: the input and the word, the wait and the result)
             src, mail, out = (graph_words.words(t) for t in (x, self._order.region.view(0, (plan.in_nbytes,), torch.uint8), plan.out))
             if None not in (src, mail, out):
                 y = torch.empty_like(plan.out)  # (a fresh allocation: whole aligned words, as `out`)
-                graph_words.put(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k, mail, src)
-                graph_words.take(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k, graph_words.words(y), out)
+                graph_words.put(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k, mail, src, dev_in)
+                graph_words.take(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k, graph_words.words(y), out, dev_out)
                 return y
         copy_async(self._order.region.ptr, x.data_ptr(), plan.in_nbytes, stream, self._order.device)
-        graph_words.write(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k)
-        graph_words.wait(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k)
+        graph_words.write(page, mailbox.PROGRAM_IN_IN_PAGE // 4, k, dev_in)
+        graph_words.wait(page, mailbox.PROGRAM_OUT_IN_PAGE // 4, k, dev_out)
         return plan.out.clone() if take is None else take(plan.out)
 
     def _program_words(self) -> tuple[int, int]:
         """Our GPU's addresses of the mailbox's program input and output words (driver stream operations)."""
         return mailbox.program_words(self._order.words)
+
+    def _device_word(self, offset: int) -> tuple | None:
+        """A step program's word in the device region (serve --device-words; proto/mailbox.py
+        DEVICE_WORDS) as graph_words takes it, (int32 tensor, index); None without device words."""
+        order = self._order
+        if not order.device_words:
+            return None
+        if order.device_page is None:
+            order.device_page = as_tensor(order.device_words, mailbox.DEVICE_WORDS_BYTES, order.device).view(torch.int32)
+        return order.device_page, offset // 4
 
     def _words_page(self) -> torch.Tensor:
         """The mailbox's words page as our GPU maps it: an int32 CUDA tensor (kept per mailbox)."""

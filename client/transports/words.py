@@ -43,6 +43,8 @@ class StreamOrder:
         self.stream: int | None = None  # the CUDA stream (cudaStream_t) of the last call
         self._switched: torch.cuda.Event | None = None  # orders a call on another stream after the last
         self.page: torch.Tensor | None = None  # the words page as an int32 tensor (step programs' kernels)
+        self.device_words = 0  # address of the region's device words (proto/mailbox.py DEVICE_WORDS), 0: none
+        self.device_page: torch.Tensor | None = None  # ... as an int32 tensor
 
     def map_words(self, box, output_word: bool, url: str) -> None:
         """Lets our GPU write the mailbox's input word and (output_word) wait on its output word;
