@@ -92,6 +92,43 @@ def test_a_rounds_word_kernels_wait_write_gather_and_scatter():
     assert torch.equal(rows[1], before[1])
 
 
+def _lifted_while_waiting(wait, words: torch.Tensor, lifts: list) -> None:
+    """Runs wait() (a kernel in Triton's interpreter) in a thread while this one writes
+    `lifts` ((index, value) after a pause each) into `words`; fails if the wait passed before the
+    last lift or has not passed 10 s after it."""
+    import threading
+    import time
+
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (wait(), done.set()), daemon=True)  # (a wait that never ends: left to spin)
+    th.start()
+    for i, value in lifts:
+        time.sleep(0.2)
+        assert not done.is_set(), f"the wait passed before words[{i}] = {value}"
+        words[i] = value
+    assert done.wait(10), "the wait did not pass once its words were reached"
+
+
+def test_a_rounds_wait_passes_once_every_slots_word_has_reached_its_own():
+    """gang_words.wait spinning (Triton's interpreter, another thread writing the words): it passes
+    only once every taking-part slot's word has reached its target, cyclically (a seq past 2^31),
+    a word counted once it has reached (later dropped back: a release written over), and a
+    sitting-out slot's word (its table entry 0: a lost mask would read address 0) never looked at;
+    with `also`, the host's word beside a device word releases."""
+    from symbiont.base_executor.kernels import gang_words
+    from symbiont.proto.mailbox import RELEASED
+
+    words = torch.zeros(6, dtype=torch.int32)
+    table = torch.tensor([[words[0:].data_ptr(), words[3:].data_ptr()], [0, 0], [words[1:].data_ptr(), words[4:].data_ptr()]])
+    seqs = torch.tensor([5, 0, 2**31 - 2], dtype=torch.int32)
+    words[1] = 2**31 - 3  # (one short of slot 2's seq)
+    _lifted_while_waiting(lambda: gang_words.wait(table, 0, seqs, from_seq=True), words,
+                          [(0, 5), (0, 0), (1, -2**31 + 3)])  # (slot 0 reached then dropped: still counted; slot 2 past the wrap)
+    words.zero_()
+    _lifted_while_waiting(lambda: gang_words.wait(table, 0, seqs, 4, also=1), words,
+                          [(0, 4), (4, RELEASED)])  # (slot 2: its host word released, its device word short)
+
+
 def test_word_kernels_with_device_words_pass_on_the_host_words_release():
     """serve --device-words (proto/mailbox.py DEVICE_WORDS): a round writes a device word and the
     host's beside it; its wait looks at the device word, and at the host's every ALSO_EVERY turns,

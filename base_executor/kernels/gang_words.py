@@ -54,8 +54,11 @@ def _kernels():
             target = seq * 0 + value
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         word = tl.load(words, mask=on, other=0, volatile=True)
-        # (a word that reached its target stays there until the round itself resets it: only the
-        # words still short are loaded again, so each turn reads fewer words across PCIe)
+        # (a word that reached its target counts as reached: only the words still short are loaded
+        # again, so each turn reads fewer words. It stays there until the round resets it, unless a
+        # release is written over by a detached tenant's queued runs or an older seq, and then
+        # passing, as the driver's cuStreamWaitValue32 would once it saw the release, is what the
+        # release is for)
         short = on & ((word - target) < 0)
         turn = 0
         while tl.sum(short.to(tl.int32), axis=0) > 0:

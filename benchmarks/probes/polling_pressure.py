@@ -11,10 +11,13 @@ processes (8 a process, as MPS clients) each spin on a word with one program of 
 while this process times, on the GPU (CUDA events):
 
 - chain: a CUDA graph of 200 one-element adds (each kernel's start-to-start on a busy GPU);
-- gemv: a graph of 10 GEMVs, 1 x 2048 by 2048 x 8192, bf16 (a decoding step's weight reads);
+- gemv: a graph of 10 GEMVs, 1 x 2048 by 2048 x 8192, bf16, each its own weight (a decoding
+  step's weight reads: 320 MiB, more than the L2 holds);
 - copies: a 4 KiB host-to-device and device-to-host copy pair, 50 times;
-- handoff: two streams pass a word of the kind back and forth 200 times with the kind's kernels
-  (client/transports/graph_words.py wait and write), as a tenant's graph and a gang round do.
+- handoff: two streams pass a word of the kind back and forth `--iters` times with the kind's
+  kernels (client/transports/graph_words.py wait and write), as a tenant's graph and a gang round
+  do; queued interleaved behind a gate (whatever hardware queue the two streams share, no wait
+  stands before the write it waits for).
 
 Kinds: `host-w4` (the default before session 52), `host-w1` (the default since), `host-w1-napN`
 (one warp, N ns between looks), `device-w1` (the words in device memory).
@@ -43,7 +46,8 @@ START, AB, BA = 0, 32, 64  # the handoff's words (int32 indices, 128 bytes apart
 def parse_kind(kind: str) -> tuple[bool, int, int]:
     """(device words, warps, nap ns) of a kind name."""
     parts = kind.split("-")
-    if parts[0] not in ("host", "device") or len(parts) not in (2, 3) or not parts[1].startswith("w"):
+    if (parts[0] not in ("host", "device") or len(parts) not in (2, 3) or not parts[1].startswith("w")
+            or (len(parts) == 3 and not parts[2].startswith("nap"))):
         raise SystemExit(f"unknown kind {kind!r}: host-wN, host-wN-napNS or device-wN")
     nap = int(parts[2][3:]) if len(parts) == 3 else 0
     return parts[0] == "device", int(parts[1][1:]), nap
@@ -61,7 +65,6 @@ class Words:
         if on_device:
             self.gpu = torch.zeros(PAGE // 4, dtype=torch.int32, device=device)
             self._side = torch.cuda.Stream(device)
-            self.set(PAGE // 4 - 1, 0)  # (the fill's kernel loaded now: loading it later, while this process's streams spin, would wait for them)
         else:
             self._mem = mmap.mmap(-1, PAGE)
             self.host = torch.frombuffer(self._mem, dtype=torch.int32)
@@ -70,9 +73,10 @@ class Words:
             self.gpu = as_tensor(map_host_words(device, self.host.data_ptr(), PAGE), PAGE, device).view(torch.int32)
 
     def set(self, i: int, value: int) -> None:
-        if self.on_device:
-            with torch.cuda.stream(self._side):
-                self.gpu[i].fill_(value)
+        if self.on_device:  # (a driver write on a stream of its own: no kernel module to load while streams spin)
+            from symbiont.proto.cuda_ipc import stream_write
+
+            stream_write(self._side.cuda_stream, self.gpu.data_ptr() + 4 * i, value)
             self._side.synchronize()
         else:
             self.host[i] = value
@@ -132,18 +136,18 @@ def measure(dev: torch.device, kind: str, rounds: int, iters: int) -> dict:
     on_device, warps, nap = parse_kind(kind)
     s = torch.cuda.Stream(dev)
     x = torch.zeros(1, device=dev)
-    w = torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16) for _ in range(10)]
     v = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
     chain, gemv = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):  # (warm: cuBLAS's handle and workspace made outside the capture)
         x.add_(1)
-        torch.nn.functional.linear(v, w)
+        torch.nn.functional.linear(v, ws[0])
     s.synchronize()
     with torch.cuda.graph(chain, stream=s):
         for _ in range(200):
             x.add_(1)
     with torch.cuda.graph(gemv, stream=s):
-        for _ in range(10):
+        for w in ws:
             torch.nn.functional.linear(v, w)
     out = {"chain_us": [], "gemv_us": [], "copies_us": [], "handoff_us": []}
     host = torch.zeros(1024, dtype=torch.int32).pin_memory()
@@ -167,19 +171,20 @@ def measure(dev: torch.device, kind: str, rounds: int, iters: int) -> dict:
             e1.record()
         e1.synchronize()
         out["copies_us"].append(e0.elapsed_time(e1) * 1000 / 50)
-        with torch.cuda.stream(b):
-            _wait(gate.gpu, START, r + 1, 1, 0)
-            for i in range(iters):
+        h0, h1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for st in (a, b):
+            with torch.cuda.stream(st):
+                _wait(gate.gpu, START, r + 1, 1, 0)
+        h0.record(a)
+        for i in range(iters):  # (interleaved: a's write, b's wait and write, a's wait)
+            with torch.cuda.stream(a):
+                _write(words.gpu, AB, base + i)
+            with torch.cuda.stream(b):
                 _wait(words.gpu, AB, base + i, warps, nap)
                 _write(words.gpu, BA, base + i)
-        h0, h1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(a):
-            _wait(gate.gpu, START, r + 1, 1, 0)
-            h0.record()
-            for i in range(iters):
-                _write(words.gpu, AB, base + i)
+            with torch.cuda.stream(a):
                 _wait(words.gpu, BA, base + i, warps, nap)
-            h1.record()
+        h1.record(a)
         gate.set(START, r + 1)
         torch.cuda.synchronize(dev)
         out["handoff_us"].append(h0.elapsed_time(h1) * 1000 / (2 * iters))
@@ -195,7 +200,8 @@ def main() -> None:
     p.add_argument("--kinds", default="host-w4,host-w1,host-w1-nap500,host-w1-nap2000,device-w1",
                    help="comma list of word kinds (the module's docstring)")
     p.add_argument("--rounds", type=int, default=5, help="measurements of each timing a configuration")
-    p.add_argument("--iters", type=int, default=200, help="round trips of a handoff measurement")
+    p.add_argument("--iters", type=int, default=100, help="round trips of a handoff measurement (4 launches each, "
+                   "queued behind a gate: a stream holds about a thousand before its host blocks)")
     p.add_argument("--out", default="", help="a JSON file for the rows")
     a = p.parse_args()
     for kind in a.kinds.split(","):
@@ -213,25 +219,40 @@ def main() -> None:
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_spinner, args=(kind, min(SPINNERS_PER_PROCESS, n - k), theirs))
                 proc.start()
+                theirs.close()  # (a spinner that dies: our end sees EOF)
                 procs.append((proc, mine))
-            for _, c in procs:
-                assert c.recv() == "spinning"
             try:
+                for proc, c in procs:
+                    _expect(proc, c, "spinning", 120)
                 row = {"kind": kind, "spinners": n, **measure(dev, kind, a.rounds, a.iters)}
             finally:
-                for _, c in procs:
-                    c.send("stop")
                 for proc, c in procs:
-                    c.recv()
-                    proc.join(60)
+                    if proc.is_alive():
+                        c.send("stop")
+                for proc, c in procs:
+                    if proc.is_alive():
+                        _expect(proc, c, "stopped", 60)
+                    proc.join(10)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if a.out:  # (row by row: a later configuration that hangs leaves these)
+                pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
     print(f"\n{'kind':<18} {'spinners':>8} {'chain us':>9} {'gemv us':>8} {'copies us':>10} {'handoff us':>11}")
     for r in rows:
         print(f"{r['kind']:<18} {r['spinners']:>8} {r['chain_us']:>9.2f} {r['gemv_us']:>8.2f} {r['copies_us']:>10.2f} "
               f"{r['handoff_us']:>11.2f}")
-    if a.out:
-        pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+def _expect(proc, conn, what: str, timeout_s: float) -> None:
+    """Waits for a spinner's `what`; raises if it dies or does not say it in time."""
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"spinner {proc.pid} did not say {what!r} in {timeout_s} s (alive: {proc.is_alive()})")
+    try:
+        said = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"spinner {proc.pid} died before {what!r} (exit {proc.exitcode})") from None
+    if said != what:
+        raise RuntimeError(f"spinner {proc.pid} said {said!r}, not {what!r}")
 
 
 if __name__ == "__main__":
