@@ -312,8 +312,8 @@ class ServeLane {
 
   // Serves the runs of a step program (base_executor/transports/programs.py) from now on: for each,
   // call k's graph (graph_execs[k - 1]) behind a wait for the program input word to reach k, and
-  // the program output word's write of k after it (and to program_out_also, where non-zero: the
-  // host's word beside a device word); the input word is set back to 0 after the last wait. The
+  // the program output word's write of k after it (and to program_out_also before it, where
+  // non-zero: the host's word beside a device word); the input word is set back to 0 after the last wait. The
   // caller keeps the graphs alive until forget.
   void learn_program(const py::bytes& header, const std::vector<uintptr_t>& graph_execs, uintptr_t program_in,
                      uintptr_t program_out, const py::bytes& reply, uint32_t index, uintptr_t program_out_also) {
@@ -422,8 +422,9 @@ class ServeLane {
       if ((*rc = d.wait_value32(s, e.program_in, k, 0 /* GEQ */)) != 0) return "cuStreamWaitValue32";
       if (k == n && (*rc = d.write_value32(s, e.program_in, 0, 0)) != 0) return "cuStreamWriteValue32";
       if ((*rc = d.graph_launch(reinterpret_cast<void*>(e.program[k - 1]), s)) != 0) return "cuGraphLaunch";
-      if ((*rc = d.write_value32(s, e.program_out, k, 0)) != 0) return "cuStreamWriteValue32";
+      // (the second word first: a waiter that saw program_out and sets both back finds it written)
       if (e.program_out_also && (*rc = d.write_value32(s, e.program_out_also, k, 0)) != 0) return "cuStreamWriteValue32";
+      if ((*rc = d.write_value32(s, e.program_out, k, 0)) != 0) return "cuStreamWriteValue32";
     }
     return nullptr;
   }

@@ -54,6 +54,8 @@ def _driver():
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcMemHandle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
         lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+        lib.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuInit.argtypes = [ctypes.c_uint]
         lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
@@ -301,9 +303,16 @@ def _current(device: torch.device):
 
 
 def zero_device(device: torch.device, ptr: int, nbytes: int) -> None:
-    """Sets nbytes of device memory at ptr to 0, synchronously (cuMemsetD8, as a new region's)."""
-    with _current(device):
-        _check(_driver().cuMemsetD8_v2(ptr, 0, nbytes), "cuMemsetD8")
+    """Sets nbytes of device memory at ptr to 0 and waits until it is done: a driver memset (no
+    kernel module to load) on a stream of its own (own_stream), so no stream of ours that waits on
+    a tenant holds it up."""
+    stream = own_stream(device)
+    try:
+        with _current(device):
+            _check(_driver().cuMemsetD8Async(ptr, 0, nbytes, stream.cuda_stream), "cuMemsetD8Async")
+            _check(_driver().cuStreamSynchronize(stream.cuda_stream), "cuStreamSynchronize")
+    finally:
+        drop_stream(device, stream)
 
 
 class _CudaArray:

@@ -25,10 +25,13 @@ Mailbox layout (offsets in bytes):
 Wake region: one Doorbell at offset 0, rung by every tenant after it pushes a call.
 
 Device words (`serve --device-words`): the last DEVICE_WORDS_BYTES of a same-GPU tenant's device
-region (CudaRegion.words_offset) hold a step program's input and output words again, where a
-GPU's look at them stays in its memory instead of crossing PCIe. The host words stay what
-releases waits (each wait looks at its host word every so often) and what the host reads: the
-tenant's graph writes its input word to both, the executor writes the output word to both.
+region (CudaRegion.words_offset) hold a step program's input and output words again, for the
+programs whose definition says so (ProgramRequest.device_words), where a GPU's look at them stays
+in its memory instead of crossing PCIe. The host words stay what releases (RELEASED written there;
+a wait on a device word looks at its host word every so often for it) and what the host reads:
+the tenant's graph writes its input word to both, the executor writes the output word to both,
+the host's first (so a waiter that saw the device word and sets both back to 0 finds the host's
+written already).
 
     [DEVICE_PROGRAM_IN,  +4)             the program input word, in device memory
     [DEVICE_PROGRAM_OUT, +4)             the program output word, in device memory

@@ -132,8 +132,8 @@ def test_a_rounds_wait_passes_once_every_slots_word_has_reached_its_own():
 def test_word_kernels_with_device_words_pass_on_the_host_words_release():
     """serve --device-words (proto/mailbox.py DEVICE_WORDS): a round writes a device word and the
     host's beside it; its wait looks at the device word, and at the host's every ALSO_EVERY turns,
-    so a release written to the host's word (0x7FFFFFFF) lets it pass while the device word is short
-    (Triton's interpreter: a wait that never passed would not return)."""
+    so a release written to the host's word (0x7FFFFFFF) lets it pass while the device word is short,
+    and a stale number there does not (Triton's interpreter)."""
     from symbiont.base_executor.kernels import gang_words
     from symbiont.proto.mailbox import RELEASED
 
@@ -151,12 +151,15 @@ def test_word_kernels_with_device_words_pass_on_the_host_words_release():
     gang_words.wait(table, 0, seqs, 7, also=1)  # (one slot reached on the device, the other released)
     gang_words.write(table, 0, seqs, from_seq=True, also=1)
     assert device.tolist() == [3, 4] and host.tolist() == [3, 4]
+    device.zero_()
+    host.fill_(9)  # (a stale host word past the target: only a release passes there)
+    _lifted_while_waiting(lambda: gang_words.wait(table, 0, seqs, 7, also=1), device, [(0, 7), (1, 7)])
 
 
 def test_a_tenants_word_kernels_with_a_device_word():
     """client/transports/graph_words.py with a device word (serve --device-words): write stores it
     and the host's; wait and take pass once the device word is reached, or the host's word released
-    (looked at every HOST_LOOK_EVERY turns); put copies, then stores both."""
+    (looked at every HOST_LOOK_EVERY turns), not on a stale number there; put copies, then stores both."""
     from symbiont.client.transports import graph_words
     from symbiont.proto.mailbox import RELEASED
 
@@ -176,3 +179,5 @@ def test_a_tenants_word_kernels_with_a_device_word():
     assert torch.equal(back, src)
     dev[3], page[2] = 0, RELEASED
     graph_words.take(page, 2, 8, back, dst, (dev, 3))  # (released on the host's word)
+    dev[3], page[2] = 0, 9  # (a stale host word past the target: only a release passes there)
+    _lifted_while_waiting(lambda: graph_words.wait(page, 2, 8, (dev, 3)), dev, [(3, 8)])

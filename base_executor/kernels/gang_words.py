@@ -11,9 +11,9 @@ input_seq; 0: the slot sits the round out). Every kernel reads both when it runs
   cuStreamWaitValue32 GEQ: word - value >= 0 as int32), loading again only the words still
   short. The words are mailbox words, page-locked host memory mapped for our GPU (released with
   0x7FFFFFFF), or with `serve --device-words` a program's words in the tenant's device region,
-  whose host words (column `also`) a wait looks at every ALSO_EVERY turns: they release.
+  whose host words (column `also`) a wait looks at every ALSO_EVERY turns for a release.
 - write: stores `value` (or the slot's seq) to each taking-part slot's word at column `col` (and
-  at column `also`).
+  first at column `also`).
 - gather: copies each taking-part slot's row (n int32 words at the address in column `col`) into
   row `slot` of a contiguous batch; scatter copies a batch's rows back out.
 Triton is imported at the first use; `warm` compiles every kernel outside a capture.
@@ -66,31 +66,33 @@ def _kernels():
                 tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [seq * 0 + NAP], dtype=tl.int32,
                                           is_pure=False, pack=1)
             word = tl.load(words, mask=short, other=0, volatile=True)
-            if ALSO:  # (device words: every EVERY turns a look at the host's word too, which releases)
+            if ALSO:  # (device words: every EVERY turns a look at the host's word too, for a release)
                 turn += 1
                 if turn % EVERY == 0:
                     hosts = tl.load(table + i * width + also, mask=short, other=0).to(tl.pointer_type(tl.int32))
                     host = tl.load(hosts, mask=short, other=0, volatile=True)
-                    word = tl.where((host - target) >= 0, target, word)
+                    word = tl.where(host == 0x7FFFFFFF, target, word)  # (only a release: the host's may be stale)
             short = short & ((word - target) < 0)
 
     @triton.jit(do_not_specialize=["width", "col", "also", "value", "slots"])
     def write(table, width, col, also, seqs, value, slots, BLOCK: tl.constexpr, FROM_SEQ: tl.constexpr,
-              ALSO: tl.constexpr):
+              ALSO: tl.constexpr, ASM: tl.constexpr):
         i = tl.arange(0, BLOCK)
         seq = tl.load(seqs + i, mask=i < slots, other=0)
         on = seq != 0
-        words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         if FROM_SEQ:
-            tl.store(words, seq, mask=on)
+            v = seq
         else:
-            tl.store(words, seq * 0 + value, mask=on)
-        if ALSO:  # (the host's word of a device word: the same value)
+            v = seq * 0 + value
+        if ALSO:  # (the host's word beside a device word first, then a fence: a waiter that saw the
+            # device word and sets both back finds the host's written already)
             hosts = tl.load(table + i * width + also, mask=on, other=0).to(tl.pointer_type(tl.int32))
-            if FROM_SEQ:
-                tl.store(hosts, seq, mask=on)
-            else:
-                tl.store(hosts, seq * 0 + value, mask=on)
+            tl.store(hosts, v, mask=on)
+            if ASM:
+                tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,r", [seq], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
+        tl.store(words, v, mask=on)
 
     @triton.jit(do_not_specialize=["width", "col", "n"])
     def copy_rows(table, width, col, seqs, batch, n, BLOCK: tl.constexpr, GATHER: tl.constexpr):
@@ -104,7 +106,13 @@ def _kernels():
         else:
             tl.store(row + j, tl.load(mine, mask=on), mask=on)
 
-    return wait, write, copy_rows
+    try:  # (Triton's CPU interpreter runs no PTX: its writes go without the fence, one kernel after another anyway)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        asm = not isinstance(write, InterpretedFunction)
+    except ImportError:
+        asm = True
+    return wait, write, copy_rows, asm
 
 
 def _block(slots: int) -> int:
@@ -114,8 +122,8 @@ def _block(slots: int) -> int:
 def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False,
          also: int | None = None) -> None:
     """Queues on the current stream: until table[s, col]'s word >= value (or seqs[s]) for every s with
-    seqs[s] != 0; with `also`, a word passes too once table[s, also]'s does (looked at every
-    ALSO_EVERY turns: the host's word beside a device word)."""
+    seqs[s] != 0; with `also`, a word passes too once table[s, also]'s is RELEASED (looked at every
+    ALSO_EVERY turns: the host's word beside a device word, which releases)."""
     slots = seqs.shape[0]
     _kernels()[0][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots, BLOCK=_block(slots),
                         FROM_SEQ=from_seq, NAP=SPIN_NAP_NS, ALSO=also is not None, EVERY=ALSO_EVERY, num_warps=SPIN_WARPS)
@@ -123,11 +131,12 @@ def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from
 
 def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False,
           also: int | None = None) -> None:
-    """Queues on the current stream: table[s, col]'s word (and table[s, also]'s) = value (or seqs[s])
-    for every s with seqs[s] != 0."""
+    """Queues on the current stream: table[s, col]'s word = value (or seqs[s]) for every s with
+    seqs[s] != 0; with `also`, table[s, also]'s first (and a system-scope fence between)."""
     slots = seqs.shape[0]
-    _kernels()[1][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots,
-                        BLOCK=_block(slots), FROM_SEQ=from_seq, ALSO=also is not None)
+    kernels = _kernels()
+    kernels[1][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots,
+                     BLOCK=_block(slots), FROM_SEQ=from_seq, ALSO=also is not None, ASM=kernels[3])
 
 
 def _copy_rows(table: torch.Tensor, col: int, seqs: torch.Tensor, batch: torch.Tensor, gather: bool) -> None:

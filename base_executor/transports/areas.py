@@ -81,12 +81,12 @@ class Areas:
             return self.box.data_bytes
         return self.gpu.nbytes - (mailbox.DEVICE_WORDS_BYTES if self.device_words else 0)
 
-    def program_words(self) -> tuple[int, int, int, int]:
+    def program_words(self, device: bool) -> tuple[int, int, int, int]:
         """Our GPU's addresses of a step program's words: (input word its graphs' waits look at,
         output word they write, input word, output word in the host's page). Without device words
-        the first two are the host's."""
+        (or for a program whose definition did not ask for them: `device`) the first two are the host's."""
         p_in, p_out = mailbox.program_words(self.words)
-        if not self.device_words:
+        if not (device and self.device_words):
             return p_in, p_out, p_in, p_out
         return (self.device_words + mailbox.DEVICE_PROGRAM_IN, self.device_words + mailbox.DEVICE_PROGRAM_OUT,
                 p_in, p_out)
@@ -168,12 +168,12 @@ class AreaPool:
         try:
             if on_gpu:
                 extra = mailbox.DEVICE_WORDS_BYTES if self.device_words else 0
-                areas.gpu = self._region(owner, data_bytes + extra)
+                areas.gpu = self._region(owner, mailbox.align(data_bytes) + extra if extra else data_bytes)
                 self._map_words(areas)
                 if extra and areas.words:  # (zero: a parked region's words hold its last mailbox's numbers)
                     from symbiont.proto.cuda_ipc import zero_device
 
-                    areas.device_words = areas.gpu.ptr + areas.gpu.nbytes - extra
+                    areas.device_words = areas.gpu.ptr + areas.gpu.nbytes - extra  # (aligned: nbytes is, a parked one's too)
                     zero_device(self.device, areas.device_words, extra)
             elif self.device.type == "cuda" and host_bytes:
                 from symbiont.proto.cuda_ipc import pin_host

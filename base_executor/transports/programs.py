@@ -53,6 +53,7 @@ class Program:
     gang: Gang | None = None  # the gang it has a slot in (transports/gangs.py)
     gang_slot: int = -1
     hosted: dict = dataclasses.field(default_factory=dict)  # hosted adapter id -> (its calls naming it, their tokens)
+    device_words: bool = False  # its words are the device region's (ProgramRequest.device_words; Areas.program_words)
 
 
 @dataclasses.dataclass(eq=False, frozen=True)
@@ -67,6 +68,7 @@ class ProgramJob:
     """A definition handed from the control thread to the data loop, which captures it."""
 
     requests: list
+    device_words: bool = False  # ProgramRequest.device_words
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     reply: pb.ControlReply | None = None
 
@@ -95,7 +97,7 @@ class LocalPrograms:
             if req.program or req.call_id or req.input_seq or req.payload:
                 return control_error(pb.INVALID_ARGUMENT, f"call {i} of the program sets program, call_id, input_seq or payload")
             requests.append(req)
-        job = ProgramJob(requests)
+        job = ProgramJob(requests, request.device_words)
         with self.lock:
             if self.tenants.get(t.id) is not t:
                 return control_error(pb.NOT_ATTACHED, f"tenant {t.id} was detached")
@@ -121,7 +123,7 @@ class LocalPrograms:
                 job.done.set()
                 continue
             try:
-                job.reply = self._capture_program(t, job.requests)
+                job.reply = self._capture_program(t, job.requests, job.device_words)
             except CallError as e:
                 job.reply = control_error(e.code, e.message)
             except Exception as e:  # (its tenant's steps run eagerly: the client falls back)
@@ -129,7 +131,7 @@ class LocalPrograms:
                 job.reply = control_error(pb.INTERNAL, f"capturing the program failed: {type(e).__name__}: {e}")
             job.done.set()
 
-    def _capture_program(self, t: Tenant, requests: list) -> pb.ControlReply:
+    def _capture_program(self, t: Tenant, requests: list, device_words: bool = False) -> pb.ControlReply:
         areas = t.areas
         if not areas.warm:  # (its calls so far went the scheduler's way; no stream of ours waits: _capture_programs)
             self.warm_stream(areas)
@@ -154,7 +156,8 @@ class LocalPrograms:
         pid = areas.next_program
         areas.next_program += 1
         counts = ProgramCounts(tuple((c.unit, c.op, c.tokens, c.latency, t.id, c.adapter_id, 0) for c in calls))
-        areas.programs[pid] = prog = Program(captured, calls, counts, tenant=t)
+        areas.programs[pid] = prog = Program(captured, calls, counts, tenant=t,
+                                             device_words=device_words and bool(areas.device_words))
         for c in calls:
             if c.adapter_id:
                 n, tokens = prog.hosted.get(c.adapter_id, (0, 0))
@@ -228,7 +231,7 @@ class LocalPrograms:
         s = stream.cuda_stream
         # (the driver's waits are on the host's input word, which the tenant's graph writes too; the
         # output word is written where its graph waits, and to the host's, which the host reads)
-        _, p_out, p_in, p_out_host = areas.program_words()
+        _, p_out, p_in, p_out_host = areas.program_words(prog.device_words)
         self._gpu_wait(t, stream, req.input_seq)
         torch.cuda.set_stream(stream)
         try:
@@ -237,9 +240,9 @@ class LocalPrograms:
                 if k == len(prog.graphs):
                     stream_write(s, p_in, 0)  # (the next run's first wait must not pass on this run's last number)
                 graph.replay()
-                stream_write(s, p_out, k)
-                if p_out_host != p_out:
+                if p_out_host != p_out:  # (the host's first: docs/gpu.md, "Device words")
                     stream_write(s, p_out_host, k)
+                stream_write(s, p_out, k)
         finally:
             torch.cuda.set_stream(self._stream)
         stream_write(s, areas.out_word, req.input_seq)
@@ -259,9 +262,9 @@ class LocalPrograms:
                 header = request.SerializeToString()
                 reply.ClearField("call_id")
                 try:
+                    also = {"program_out_also": p_out_host} if p_out_host != p_out else {}  # (an older build takes none)
                     lane.learn_program(header, [int(g.raw_cuda_graph_exec()) for g in prog.graphs],
-                                       p_in, p_out, reply.SerializeToString(), len(areas.lane_units),
-                                       p_out_host if p_out_host != p_out else 0)
+                                       p_in, p_out, reply.SerializeToString(), len(areas.lane_units), **also)
                 except Exception as e:  # (its runs are served from Python, as every call's are then)
                     self._native_failed = True
                     log.warning("native serving off: teaching a lane a step program failed (%s: %s)", type(e).__name__, e)
@@ -312,7 +315,7 @@ class LocalPrograms:
             self._gangs.append(gang)
             slot = 0
         areas = prog.tenant.areas
-        gang.join(slot, prog, areas.words, areas.out_word, areas.program_words())
+        gang.join(slot, prog, areas.words, areas.out_word, areas.program_words(prog.device_words))
         if len(gang.tenants()) > 1:
             for member in gang.members.values():
                 if member.header and member.tenant.areas.lane is not None:

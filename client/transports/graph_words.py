@@ -33,13 +33,13 @@ def _kernels():
     # (no specialisation on the values: one compiled kernel serves every call's number)
     @triton.jit(do_not_specialize=["index", "value", "dindex"])
     def write(page, index, value, dev, dindex, DEV: tl.constexpr):
-        if DEV:  # (the device word first: the executor's GPU looks there)
-            tl.store(dev + dindex, value)
         tl.store(page + index, value)
+        if DEV:  # (and the device word, where the executor's GPU looks)
+            tl.store(dev + dindex, value)
 
     # (a wait's looks, written out in wait and take: a jit function defined here, in a closure, is
     # not one every Triton version calls) With DEV the word looked at is the device word, and every
-    # EVERY turns the host's beside it (a release); NAP ns between looks.
+    # EVERY turns the host's beside it, for a release (RELEASED); NAP ns between looks.
     @triton.jit(do_not_specialize=["index", "value", "dindex"])
     def wait(page, index, value, dev, dindex, NAP: tl.constexpr, DEV: tl.constexpr, EVERY: tl.constexpr):
         if DEV:
@@ -55,8 +55,8 @@ def _kernels():
             word = tl.load(at, volatile=True)
             if DEV:
                 turn += 1
-                if turn % EVERY == 0:
-                    word = tl.maximum(word, tl.load(page + index, volatile=True))
+                if turn % EVERY == 0:  # (only a release passes: the host's word may be stale)
+                    word = tl.where(tl.load(page + index, volatile=True) == 0x7FFFFFFF, value, word)
 
     # (no specialisation on the addresses' alignment or the sizes: the kernels warm() compiles serve every call)
     @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n", "dev", "dindex"],
@@ -67,23 +67,23 @@ def _kernels():
         for at in range(0, n, BLOCK):
             m = at + i < n
             tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
-        tl.debug_barrier()  # (every thread's copy, then one thread's release of the word: the device word first)
+        tl.debug_barrier()  # (every thread's copy, then one thread's release of the word, and of the device word)
         if ASM:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
+                "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [page + index + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
             if DEV:
                 tl.inline_asm_elementwise(
                     "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
                     "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
                     "=r,l,r", [dev + dindex + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
                     dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
-                "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [page + index + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
         else:
+            tl.store(page + index, value)
             if DEV:
                 tl.store(dev + dindex, value)
-            tl.store(page + index, value)
 
     @triton.jit(do_not_specialize=["page", "index", "value", "dst", "src", "n", "dev", "dindex"],
                 do_not_specialize_on_alignment=["page", "dst", "src", "dev"])
@@ -99,8 +99,8 @@ def _kernels():
             word = tl.load(at, volatile=True)
             if DEV:
                 turn += 1
-                if turn % EVERY == 0:
-                    word = tl.maximum(word, tl.load(page + index, volatile=True))
+                if turn % EVERY == 0:  # (only a release passes: the host's word may be stale)
+                    word = tl.where(tl.load(page + index, volatile=True) == 0x7FFFFFFF, value, word)
         if ASM:  # (a relaxed load that saw the value, then a fence: each thread's acquire)
             tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [tl.zeros([THREADS], dtype=tl.int32)],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -152,7 +152,7 @@ def warm(page: torch.Tensor, index: int, dev: tuple | None = None) -> None:
 
 def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor, dev: tuple | None = None) -> None:
     """Queues on the current stream: dst = src (int32 words, contiguous), then page[index] = value
-    (and the device word `dev`, (tensor, index), first), released to the system (the executor's GPU
+    (then the device word `dev`, (tensor, index), too), released to the system (the executor's GPU
     wait sees the word only after the data)."""
     kernels = _kernels()
     d, di = dev if dev is not None else (page, index)
@@ -162,7 +162,7 @@ def put(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torc
 
 def take(page: torch.Tensor, index: int, value: int, dst: torch.Tensor, src: torch.Tensor, dev: tuple | None = None) -> None:
     """Queues on the current stream: a wait until page[index] >= value (SPIN_WARPS warps spinning;
-    with `dev`, the device word, and page[index] every HOST_LOOK_EVERY turns), then dst = src
+    with `dev`, the device word, and page[index] for RELEASED every HOST_LOOK_EVERY turns), then dst = src
     (int32 words)."""
     kernels = _kernels()
     d, di = dev if dev is not None else (page, index)
@@ -180,16 +180,16 @@ def words(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def write(page: torch.Tensor, index: int, value: int, dev: tuple | None = None) -> None:
-    """Queues on the current stream: page[index] = value (int32), and the device word `dev`
-    ((tensor, index)) first."""
+    """Queues on the current stream: page[index] = value (int32), then the device word `dev`
+    ((tensor, index)) too."""
     d, di = dev if dev is not None else (page, index)
     _kernels()[0][(1,)](page, index, value, d, di, DEV=dev is not None)
 
 
 def wait(page: torch.Tensor, index: int, value: int, dev: tuple | None = None) -> None:
     """Queues on the current stream a wait until page[index] >= value (int32); with `dev`
-    ((tensor, index)), until the device word does, or page[index] at a look every
-    HOST_LOOK_EVERY turns (a release)."""
+    ((tensor, index)), until the device word does, or page[index] is RELEASED at a look every
+    HOST_LOOK_EVERY turns."""
     d, di = dev if dev is not None else (page, index)
     _kernels()[1][(1,)](page, index, value, d, di, NAP=SPIN_NAP_NS, DEV=dev is not None, EVERY=HOST_LOOK_EVERY,
                         num_warps=SPIN_WARPS)

@@ -142,7 +142,8 @@ class LocalTransport(LocalCalls, LocalPrograms, Transport):
             order = StreamOrder(region, self.device if own else region.device)
             if c.input_word:
                 order.map_words(box, c.output_word, self.url)
-                if c.words_offset and order.words:  # (serve --device-words: step programs' words there too)
+                if (c.words_offset and order.words and c.words_offset % mailbox.ALIGN == 0
+                        and c.words_offset + mailbox.DEVICE_WORDS_BYTES <= c.size):  # (serve --device-words)
                     order.device_words = region.ptr + c.words_offset
         self._box, self._order = box, order
         self._plans, self._failures, self._program_headers = {}, 0, {}

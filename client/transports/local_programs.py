@@ -80,7 +80,8 @@ class LocalPrograms:
         """Defines a recorded program at the executor (which captures its side); its id."""
         if self._box is not self._recording_box:
             raise StaleProgram("the mailbox changed while the program was recorded")
-        reply = self.control("program", pb.ProgramRequest(calls=headers))
+        # (its graph wrote and waited on the device words where the mailbox has them: _record)
+        reply = self.control("program", pb.ProgramRequest(calls=headers, device_words=bool(self._order.device_words)))
         pid = reply.program.id
         self._program_headers[pid] = (self._box, pb.CallRequest(program=pid, latency=pb.INFERENCE).SerializeToString())
         return pid
@@ -123,15 +124,16 @@ class LocalPrograms:
         stream = order.current_stream()
         if stream != order.stream:
             order.follow(stream)
+        # the program input word from 0 before the run's input word: the executor's first wait of this
+        # run must not pass on the numbers of an earlier run it refused (its previous run's are past:
+        # our stream waited for that run's output word); before the run counts as sent (a failure here
+        # leaves no call waiting for a reply)
+        stream_write(stream, self._program_words()[0], 0)
+        if order.device_words:  # (serve --device-words: and the device region's, where the executor's GPU looks)
+            stream_write(stream, order.device_words + mailbox.DEVICE_PROGRAM_IN, 0)
         call_id = next(self._ids)
         seq = order.seq = order.seq % 0xFFFFFFFF + 1
         unanswered.add(Sent(call_id, seq, program_name(pid), pb.FORWARD, (), None, program=True))
-        # the program input word from 0 before the run's input word: the executor's first wait of this
-        # run must not pass on the numbers of an earlier run it refused (its previous run's are past:
-        # our stream waited for that run's output word)
-        stream_write(stream, self._program_words()[0], 0)
-        if order.device_words:  # (serve --device-words: the word the executor's GPU looks at first)
-            stream_write(stream, order.device_words + mailbox.DEVICE_PROGRAM_IN, 0)
         try:
             rc = lane.send(0, 0, stream, header, call_id, seq, False)
         except BaseException:  # (the input word failed, or an interrupt as it returned)
