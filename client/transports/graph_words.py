@@ -69,16 +69,15 @@ def _kernels():
             tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
         tl.debug_barrier()  # (every thread's copy, then one thread's release of the word, and of the device word)
         if ASM:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
-                "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [page + index + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
-            if DEV:
+            for j in tl.static_range(2 if DEV else 1):  # (the host's word, then the device word)
+                if j == 0:
+                    word = page + index
+                else:
+                    word = dev + dindex
                 tl.inline_asm_elementwise(
                     "{ .reg .pred %p; .reg .b32 %t; mov.u32 %t, %tid.x; setp.eq.u32 %p, %t, 0; "
                     "@%p st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [dev + dindex + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
+                    "=r,l,r", [word + tl.zeros([THREADS], dtype=tl.int32), value + tl.zeros([THREADS], dtype=tl.int32)],
                     dtype=tl.int32, is_pure=False, pack=1)
         else:
             tl.store(page + index, value)
