@@ -89,7 +89,7 @@ def _kernels():
             hosts = tl.load(table + i * width + also, mask=on, other=0).to(tl.pointer_type(tl.int32))
             tl.store(hosts, v, mask=on)
             if ASM:
-                tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r,r", [seq], dtype=tl.int32,
+                tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [seq], dtype=tl.int32,
                                           is_pure=False, pack=1)
         words = tl.load(table + i * width + col, mask=on, other=0).to(tl.pointer_type(tl.int32))
         tl.store(words, v, mask=on)
@@ -132,7 +132,7 @@ def wait(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from
 def write(table: torch.Tensor, col: int, seqs: torch.Tensor, value: int = 0, from_seq: bool = False,
           also: int | None = None) -> None:
     """Queues on the current stream: table[s, col]'s word = value (or seqs[s]) for every s with
-    seqs[s] != 0; with `also`, table[s, also]'s first (and a system-scope fence between)."""
+    seqs[s] != 0; with `also`, table[s, also]'s first (a system-scope fence between)."""
     slots = seqs.shape[0]
     kernels = _kernels()
     kernels[1][(1,)](table, table.shape[1], col, col if also is None else also, seqs, value, slots,

@@ -173,8 +173,12 @@ class AreaPool:
                 if extra and areas.words:  # (zero: a parked region's words hold its last mailbox's numbers)
                     from symbiont.proto.cuda_ipc import zero_device
 
-                    areas.device_words = areas.gpu.ptr + areas.gpu.nbytes - extra  # (aligned: nbytes is, a parked one's too)
-                    zero_device(self.device, areas.device_words, extra)
+                    words = areas.gpu.ptr + areas.gpu.nbytes - extra  # (aligned: nbytes is, a parked one's too)
+                    try:
+                        zero_device(self.device, words, extra)
+                        areas.device_words = words
+                    except RuntimeError as e:  # (its programs use the host's words)
+                        log.warning("device words not zeroed (%s): tenant %d's programs use the host's words", e, tid)
             elif self.device.type == "cuda" and host_bytes:
                 from symbiont.proto.cuda_ipc import pin_host
 

@@ -86,6 +86,9 @@ class LocalPrograms:
                 and areas.out_word):
             return control_error(pb.INVALID_ARGUMENT, "step programs need a same-GPU tenant whose mailbox words our GPU "
                                  "waits on, GPU waits and graphs on (serve without --no-gpu-waits, --graph-tokens 0)")
+        if request.device_words and not areas.device_words:  # (its graph would wait on words nobody writes)
+            return control_error(pb.INVALID_ARGUMENT, "the program asks for device words, which this mailbox has not "
+                                 "(serve --device-words, CudaRegion.words_offset)")
         if not 0 < len(request.calls) <= MAX_PROGRAM_CALLS:
             return control_error(pb.INVALID_ARGUMENT, f"a step program holds 1 to {MAX_PROGRAM_CALLS} calls, got {len(request.calls)}")
         requests = []

@@ -77,14 +77,17 @@ class LocalPrograms:
             self._recording = None
 
     def define_program(self, headers: list[bytes]) -> int:
-        """Defines a recorded program at the executor (which captures its side); its id."""
-        if self._box is not self._recording_box:
-            raise StaleProgram("the mailbox changed while the program was recorded")
-        # (its graph wrote and waited on the device words where the mailbox has them: _record)
-        reply = self.control("program", pb.ProgramRequest(calls=headers, device_words=bool(self._order.device_words)))
-        pid = reply.program.id
-        self._program_headers[pid] = (self._box, pb.CallRequest(program=pid, latency=pb.INFERENCE).SerializeToString())
-        return pid
+        """Defines a recorded program at the executor (which captures its side); its id. Under the
+        lock: a grow on another thread cannot come between the look at the mailbox and the definition."""
+        with self._lock:
+            box = self._recording_box
+            if self._box is not box or self._order is None:
+                raise StaleProgram("the mailbox changed while the program was recorded")
+            # (its graph wrote and waited on the device words where the mailbox has them: _record)
+            reply = self.control("program", pb.ProgramRequest(calls=headers, device_words=bool(self._order.device_words)))
+            pid = reply.program.id
+            self._program_headers[pid] = (box, pb.CallRequest(program=pid, latency=pb.INFERENCE).SerializeToString())
+            return pid
 
     def run_program(self, pid: int, replay) -> None:
         """Runs program `pid`: its request, then replay() (the step's graph, on the current
@@ -141,7 +144,7 @@ class LocalPrograms:
                 unanswered.forget(call_id)
                 self._release_failed(call_id, seq)
             else:  # (it went, and no graph of ours will write its words: the executor's waits go)
-                self._abandon_run(box)
+                self._abandon_run(box, stream)
                 order.wait_result(stream, seq)
             raise
         if rc == -1:  # (nothing was done)
@@ -158,16 +161,19 @@ class LocalPrograms:
             launched = True
         except BaseException:
             if not launched:
-                self._abandon_run(box)
+                self._abandon_run(box, stream)
             raise
         finally:
             order.wait_result(stream, seq)
 
-    def _abandon_run(self, box) -> None:
+    def _abandon_run(self, box, stream: int) -> None:
         """A run whose request went but whose graph was not launched: the executor's waits for its
         calls' inputs go (its results are garbage, nobody reads them), and, its output word left at
-        the run's last number, no program runs on this mailbox any more."""
+        the run's last number, no program runs on this mailbox any more. The release is written
+        now and again on our stream (after the run's reset of the word queued there, which would
+        otherwise undo it)."""
         box.release_program(output=False)
+        stream_write(stream, self._program_words()[0], mailbox.RELEASED)
         self._program_headers.clear()
         self._programs_broken = True
 
