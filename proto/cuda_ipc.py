@@ -364,7 +364,12 @@ class DeviceRegion(_Area):
         ptr = ctypes.c_uint64()
         with _current(device):
             _check(_driver().cuMemAlloc_v2(ctypes.byref(ptr), nbytes), f"cuMemAlloc({nbytes})")
-        zero_device(device, ptr.value, nbytes)  # no stale bytes of earlier tenants, before the tenant gets it
+        try:
+            zero_device(device, ptr.value, nbytes)  # no stale bytes of earlier tenants, before the tenant gets it
+        except BaseException:
+            with _current(device):
+                _driver().cuMemFree_v2(ptr.value)
+            raise
         events = [torch.cuda.Event(interprocess=True, enable_timing=False) for _ in range(2)]
         for e in events:
             e.record(torch.cuda.current_stream(device))  # an event must be recorded once before it is shared

@@ -29,9 +29,9 @@ region (CudaRegion.words_offset) hold a step program's input and output words ag
 programs whose definition says so (ProgramRequest.device_words), where a GPU's look at them stays
 in its memory instead of crossing PCIe. The host words stay what releases (RELEASED written there;
 a wait on a device word looks at its host word every so often for it) and what the host reads:
-the tenant's graph writes its input word to both, the executor writes the output word to both,
-the host's first (so a waiter that saw the device word and sets both back to 0 finds the host's
-written already).
+the tenant's graph writes its input word to both (in no promised order: nothing passes on a
+host number), the executor writes the output word to both, the host's first (so a waiter that saw
+the device word and sets both back to 0 finds the host's written already).
 
     [DEVICE_PROGRAM_IN,  +4)             the program input word, in device memory
     [DEVICE_PROGRAM_OUT, +4)             the program output word, in device memory

@@ -160,14 +160,14 @@ def triton_cdiv(n: int) -> int:
     return (n + COPY_BLOCK - 1) // COPY_BLOCK
 
 
-def warm(device: torch.device, slots: int) -> None:
+def warm(device: torch.device, slots: int, device_words: bool = False) -> None:
     """Compiles and loads every kernel of gangs of `slots` outside a capture (which may not load a
     module), on the current stream: a table whose slots all sit out."""
     table = torch.zeros((slots, 1), dtype=torch.int64, device=device)
     seqs = torch.zeros(slots, dtype=torch.int32, device=device)
     batch = torch.zeros(slots, dtype=torch.int32, device=device)
     for from_seq in (False, True):
-        for also in (None, 0):
+        for also in (None, 0) if device_words else (None,):
             wait(table, 0, seqs, 1, from_seq, also)
             write(table, 0, seqs, 1, from_seq, also)
     gather(table, 0, seqs, batch)

@@ -293,7 +293,7 @@ class LocalPrograms:
             for stream in streams:
                 self.core.warm_up(stream)
                 with torch.cuda.stream(stream):
-                    gang_words.warm(self.core.device, self.config.gang_slots)
+                    gang_words.warm(self.core.device, self.config.gang_slots, bool(self.areas.device_words))
                 stream.synchronize()
         except Exception as e:  # (no Triton: every program runs alone)
             log.warning("gangs of step programs off: %s: %s", type(e).__name__, e)

@@ -173,9 +173,12 @@ class LocalPrograms:
         now and again on our stream (after the run's reset of the word queued there, which would
         otherwise undo it)."""
         box.release_program(output=False)
-        stream_write(stream, self._program_words()[0], mailbox.RELEASED)
         self._program_headers.clear()
         self._programs_broken = True
+        try:
+            stream_write(stream, self._program_words()[0], mailbox.RELEASED)
+        except RuntimeError:  # (the CPU's release is written; the caller's error is the one to raise)
+            pass
 
     def _record(self, unit, op, x: torch.Tensor, out_shape, out_dtype, latency, take):
         """A call made while a program records (see the module)."""
