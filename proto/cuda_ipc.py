@@ -302,6 +302,16 @@ def _current(device: torch.device):
         lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
+def runs_ptx(kernel) -> bool:
+    """Whether a @triton.jit kernel runs on the GPU, where inline PTX (fences, release stores) runs,
+    and not in Triton's CPU interpreter (chosen when the kernel was made), which runs none."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return True
+    return not isinstance(kernel, InterpretedFunction)
+
+
 def zero_device(device: torch.device, ptr: int, nbytes: int) -> None:
     """Sets nbytes of device memory at ptr to 0 and waits until it is done: a driver memset (no
     kernel module to load) on a stream of its own (own_stream), so no stream of ours that waits on

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from symbiont.proto.codec import int32_words
+from symbiont.proto.cuda_ipc import runs_ptx
 
 COPY_BLOCK = 1024  # int32 words per program of a row copy
 SPIN_WARPS = 1
@@ -106,13 +107,8 @@ def _kernels():
         else:
             tl.store(row + j, tl.load(mine, mask=on), mask=on)
 
-    try:  # (Triton's CPU interpreter runs no PTX: its writes go without the fence, one kernel after another anyway)
-        from triton.runtime.interpreter import InterpretedFunction
-
-        asm = not isinstance(write, InterpretedFunction)
-    except ImportError:
-        asm = True
-    return wait, write, copy_rows, asm
+    # (in Triton's CPU interpreter writes go without the fence, one kernel after another anyway)
+    return wait, write, copy_rows, runs_ptx(write)
 
 
 def _block(slots: int) -> int:

@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from symbiont.proto.cuda_ipc import runs_ptx
+
 
 @functools.cache
 def _kernels():
@@ -108,13 +110,8 @@ def _kernels():
             m = at + i < n
             tl.store(dst + at + i, tl.load(src + at + i, mask=m), mask=m)
 
-    try:  # (Triton's CPU interpreter, chosen when the kernels were made, runs no PTX: put and take go without fences)
-        from triton.runtime.interpreter import InterpretedFunction
-
-        asm = not isinstance(put, InterpretedFunction)
-    except ImportError:
-        asm = True
-    return write, wait, put, take, asm
+    # (in Triton's CPU interpreter put and take go without fences)
+    return write, wait, put, take, runs_ptx(put)
 
 
 FUSED_HANDOVER = False
